@@ -1,0 +1,38 @@
+"""Attention backends for diffusion models, independent of ComfyUI.
+
+>>> from attention import attention, AttentionConfig
+>>> out = attention(q, k, v, heads, config=AttentionConfig(backend="sage"))
+"""
+
+from .auto import AutoSelector
+from .constraints import CallSpec
+from .dispatch import (
+    AUTO,
+    REFERENCE,
+    AttentionConfig,
+    BackendUnavailableError,
+    attention,
+    make_spec,
+    use_backend,
+)
+from .registry import REGISTRY, Availability, Backend
+from .report import environment, report_rows
+from .stats import Stats
+
+__all__ = [
+    "AUTO",
+    "REFERENCE",
+    "REGISTRY",
+    "AttentionConfig",
+    "AutoSelector",
+    "Availability",
+    "Backend",
+    "BackendUnavailableError",
+    "CallSpec",
+    "Stats",
+    "attention",
+    "environment",
+    "make_spec",
+    "report_rows",
+    "use_backend",
+]

@@ -1,0 +1,250 @@
+"""``auto``: measure, on the call's own tensors, which capable backend is fastest.
+
+On the first call with a new signature (device, dtype, head dim, heads, mask
+kind, bucketed sequence lengths) every capable installed backend is timed on
+that call's q/k/v and checked against an fp32 SDPA reference (cosine and
+relative L1 gates).  The fastest that passes wins; later calls with that
+signature go straight to it.  Decisions persist in a JSON file keyed by GPU,
+torch and kernel versions, so a second session does not tune again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from .registry import REGISTRY
+
+log = logging.getLogger("patch_attention.auto")
+
+# Gates: measured on the H100 (docs/gpu-correctness.md): quantized kernels
+# (Sage, kitchen int8) reach cos >= 0.998 and rel-L1 <= 0.06 on realistic
+# inputs; a broken or mis-configured kernel lands far below.
+DEFAULT_MIN_COS = 0.995
+DEFAULT_MAX_REL_L1 = 0.08
+EXCLUDED = {"sdpa_math"}  # never faster; the reference computes in fp32 SDPA anyway
+
+
+def bucket(n: int) -> int:
+    """Round a sequence length up to one of 4 buckets per octave."""
+    if n <= 64:
+        return 64
+    e = 2 ** (int(math.log2(n)) - 2)
+    return -(-n // e) * e
+
+
+def accuracy(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(cosine similarity, relative L1) of ``out`` against ``ref``, in fp32."""
+    o, r = out.float().flatten(), ref.float().flatten()
+    cos = F.cosine_similarity(o, r, dim=0).item()
+    rel = ((o - r).abs().sum() / r.abs().sum().clamp_min(1e-12)).item()
+    return cos, rel
+
+
+def signature(spec) -> str:
+    cc = f"sm{spec.cc[0]}{spec.cc[1]}" if spec.cc else spec.device_type
+    return (
+        f"{cc}/{str(spec.dtype).replace('torch.', '')}/B{spec.batch}/H{spec.heads}/Hk{spec.kv_heads}"
+        f"/D{spec.head_dim}/Dv{spec.v_head_dim}/Nq{bucket(spec.q_len)}/Nk{bucket(spec.kv_len)}/mask={spec.mask}"
+    )
+
+
+def fingerprint() -> str:
+    """GPU + torch + installed kernel versions: decisions are valid only for this."""
+    parts = [f"torch{torch.__version__}"]
+    if torch.cuda.is_available():
+        parts.append(torch.cuda.get_device_name().replace(" ", "_"))
+    for b in REGISTRY.backends():
+        av = b.availability()
+        if av.ok and b.family != "sdpa":
+            parts.append(f"{b.family}={av.version}")
+    return ";".join(sorted(set(parts)))
+
+
+def default_cache_path() -> str:
+    env = os.environ.get("PATCH_ATTENTION_CACHE")
+    if env:
+        return env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "patch_attention", "auto.json")
+
+
+def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
+    """Median milliseconds of ``fn`` (CUDA events on GPU, perf_counter elsewhere)."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    if device.type == "cuda":
+        for _ in range(reps):
+            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            s.record()
+            fn()
+            e.record()
+            e.synchronize()
+            times.append(s.elapsed_time(e))
+    else:
+        for _ in range(reps):
+            t = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - t) * 1000)
+    return statistics.median(times)
+
+
+@dataclass
+class Candidate:
+    name: str
+    ms: float | None = None
+    cos: float | None = None
+    rel_l1: float | None = None
+    passed: bool = False
+    error: str = ""
+
+
+@dataclass
+class AutoSelector:
+    """Keeps the decisions of one config; ``timer`` and ``checker`` can be injected (tests)."""
+
+    min_cos: float = DEFAULT_MIN_COS
+    max_rel_l1: float = DEFAULT_MAX_REL_L1
+    cache_path: str | None = None  # None: no persistence
+    retune: bool = False
+    warmup: int = 2
+    reps: int = 5
+    timer: Callable | None = None  # (name, fn, device) -> ms
+    exclude: set = field(default_factory=lambda: set(EXCLUDED))
+    decisions: dict = field(default_factory=dict)  # signature -> backend name
+    reports: dict = field(default_factory=dict)  # signature -> list[Candidate]
+    tune_ms: float = 0.0
+    _loaded: bool = False
+
+    # ---- persistence
+    def _load(self):
+        self._loaded = True
+        if self.retune or not self.cache_path or not os.path.exists(self.cache_path):
+            return
+        try:
+            with open(self.cache_path) as f:
+                data = json.load(f)
+            saved = data.get(fingerprint(), {})
+        except (OSError, ValueError) as e:
+            log.warning("ignoring unreadable auto cache %s: %s", self.cache_path, e)
+            return
+        for sig, name in saved.items():
+            if name in REGISTRY and REGISTRY.get(name).available:
+                self.decisions.setdefault(sig, name)
+
+    def _save(self):
+        if not self.cache_path:
+            return
+        try:
+            data = {}
+            if os.path.exists(self.cache_path):
+                with open(self.cache_path) as f:
+                    data = json.load(f)
+            data.setdefault(fingerprint(), {}).update(self.decisions)
+            os.makedirs(os.path.dirname(self.cache_path) or ".", exist_ok=True)
+            tmp = self.cache_path + ".tmp"
+            with open(tmp, "w") as f:
+                json.dump(data, f, indent=1, sort_keys=True)
+            os.replace(tmp, self.cache_path)
+        except (OSError, ValueError) as e:
+            log.warning("could not save auto decisions to %s: %s", self.cache_path, e)
+
+    # ---- selection
+    def candidates(self, spec) -> list[str]:
+        from .dispatch import plan_for
+
+        names = []
+        for b in REGISTRY.backends():
+            if b.name in self.exclude:
+                continue
+            if plan_for(b, spec)[1] is None:
+                names.append(b.name)
+        return names
+
+    def choose(self, cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
+        if not self._loaded:
+            self._load()
+        sig = signature(spec)
+        hit = self.decisions.get(sig)
+        if hit is not None:
+            return hit
+        t0 = time.perf_counter()
+        name, report = self.tune(cfg, q4, k4, v4, layout, mask4, spec, scale)
+        took = (time.perf_counter() - t0) * 1000
+        self.tune_ms += took
+        self.decisions[sig] = name
+        self.reports[sig] = report
+        cfg.stats.decisions[sig] = describe(name, report, took)
+        log.info("auto %s -> %s (tuned in %.0f ms)", sig, name, took)
+        self._save()
+        return name
+
+    def tune(self, cfg, q4, k4, v4, layout, mask4, spec, scale):
+        from .dispatch import plan_for, run_backend
+
+        names = self.candidates(spec)
+        with torch.no_grad():
+            ref_backend = REGISTRY.get("sdpa")
+            ref_spec = spec.replace(dtype=torch.float32)
+            ref, _ = run_backend(
+                ref_backend, q4.float(), k4.float(), v4.float(), layout,
+                None if mask4 is None else (mask4 if mask4.dtype == torch.bool else mask4.float()),
+                ref_spec, ref_spec, scale, {},
+            )
+            report = []
+            for name in names:
+                b = REGISTRY.get(name)
+                target, _ = plan_for(b, spec)
+                opts = cfg.options.get(name) or {}
+                c = Candidate(name)
+                report.append(c)
+
+                def call(b=b, target=target, opts=opts):
+                    return run_backend(b, q4, k4, v4, layout, mask4, spec, target, scale, opts)[0]
+
+                try:
+                    out = call()
+                    c.cos, c.rel_l1 = accuracy(out, ref)
+                    c.passed = c.cos >= self.min_cos and c.rel_l1 <= self.max_rel_l1
+                    if not c.passed:
+                        continue
+                    if self.timer is not None:
+                        c.ms = self.timer(name, call, q4.device)
+                    else:
+                        c.ms = time_call(call, q4.device, self.warmup, self.reps)
+                except Exception as e:
+                    c.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                    c.passed = False
+        passing = [c for c in report if c.passed and c.ms is not None]
+        if not passing:
+            return "sdpa", report
+        best = min(passing, key=lambda c: c.ms)
+        return best.name, report
+
+
+def describe(name: str, report: list[Candidate], took_ms: float) -> str:
+    parts = []
+    for c in sorted(report, key=lambda c: (c.ms is None, c.ms or 0)):
+        if c.error:
+            parts.append(f"{c.name}: error {c.error}")
+        elif not c.passed:
+            parts.append(f"{c.name}: failed gate (cos {c.cos:.5f}, rel-L1 {c.rel_l1:.4f})")
+        else:
+            parts.append(f"{c.name} {c.ms:.3f} ms")
+    return f"{name} [" + "; ".join(parts) + f"] tuned in {took_ms:.0f} ms"
+
+
+def select(cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
+    if cfg.auto is None:
+        cfg.auto = AutoSelector()
+    return cfg.auto.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)

@@ -1,0 +1,48 @@
+"""xformers ``memory_efficient_attention`` (layout ``[B, N, H, D]``)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, SameHeadDimV
+from ..registry import REGISTRY, Backend, import_probe
+
+
+def _bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+    """xformers wants a float bias of shape [B, H, Nq, Nk] whose rows are 8-aligned in memory."""
+    b, nq, h, _ = q.shape
+    nk = k.shape[1]
+    if mask.dtype == torch.bool:
+        mask = torch.zeros(mask.shape, dtype=q.dtype, device=q.device).masked_fill(~mask, float("-inf"))
+    pad = (-nk) % 8
+    full = torch.empty((b, h, nq, nk + pad), dtype=q.dtype, device=q.device)
+    full[..., :nk] = mask.to(q.dtype)
+    return full[..., :nk]
+
+
+def _xformers(q, k, v, *, layout, mask, scale, opts):
+    import xformers.ops as xops
+
+    bias = None if mask is None else _bias(mask, q, k)
+    return xops.memory_efficient_attention(q, k, v, attn_bias=bias, scale=scale)
+
+
+REGISTRY.register(
+    Backend(
+        name="xformers",
+        family="xformers",
+        fn=_xformers,
+        constraints=(
+            DeviceTypes(("cuda",)),
+            ComputeCapability.of_kernel("xformers"),
+            DTypes((torch.float32, torch.float16, torch.bfloat16)),
+            HeadDims(max=256, multiple_of=8),
+            Masks(("bool", "float")),
+            GroupedQuery(False),
+            SameHeadDimV(),
+        ),
+        layouts=("NHD",),
+        probe=import_probe("xformers.ops", attr="memory_efficient_attention"),
+        description="xformers memory_efficient_attention",
+    )
+)

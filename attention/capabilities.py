@@ -1,0 +1,153 @@
+"""Which kernel packages can run on which GPU architecture.
+
+Pure data, importable without torch: ``install.py`` plans what to install from
+this table and the backends in ``attention.backends`` build their compute
+capability constraints from it, so what gets installed and what the
+dispatcher accepts never disagree.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+CC = tuple  # (major, minor)
+
+
+@dataclass(frozen=True)
+class Kernel:
+    """One installable kernel package."""
+
+    key: str
+    import_name: str
+    pip_name: str
+    min_cc: tuple[int, int] | None = None
+    max_cc: tuple[int, int] | None = None
+    source: str = "wheel"  # "wheel": from PyPI; "build": compiled from source
+    upstream: str = ""
+    note: str = ""
+    needs_toolkit: bool = False
+    arch_families: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+
+    def runs_on(self, cc: tuple[int, int]) -> bool:
+        if self.min_cc is not None and tuple(cc) < self.min_cc:
+            return False
+        if self.max_cc is not None and tuple(cc) > self.max_cc:
+            return False
+        if self.arch_families and (cc[0], cc[1]) not in self.arch_families:
+            return False
+        return True
+
+    def describe_arch(self) -> str:
+        parts = []
+        if self.arch_families:
+            parts.append("sm " + ", ".join(f"{a}.{b}" for a, b in self.arch_families))
+        else:
+            if self.min_cc:
+                parts.append(f">= {self.min_cc[0]}.{self.min_cc[1]}")
+            if self.max_cc:
+                parts.append(f"<= {self.max_cc[0]}.{self.max_cc[1]}")
+        return "compute capability " + (" and ".join(parts) if parts else "any")
+
+
+KERNELS: dict[str, Kernel] = {
+    k.key: k
+    for k in (
+        Kernel(
+            key="sageattention",
+            import_name="sageattention",
+            pip_name="sageattention",
+            min_cc=(8, 0),
+            source="build",
+            needs_toolkit=True,
+            upstream="https://github.com/thu-ml/SageAttention",
+            note="SageAttention 2.x, CUDA kernels built for the detected archs",
+        ),
+        Kernel(
+            key="sageattention1",
+            import_name="sageattention",
+            pip_name="sageattention==1.0.6",
+            min_cc=(7, 5),
+            source="wheel",
+            note="SageAttention 1.0.6 (Triton only); used where 2.x cannot be built",
+        ),
+        Kernel(
+            key="sageattn3",
+            import_name="sageattn3",
+            pip_name="sageattn3",
+            min_cc=(10, 0),
+            source="build",
+            needs_toolkit=True,
+            upstream="https://github.com/thu-ml/SageAttention",
+            note="SageAttention3 (FP4), Blackwell only; source in sageattention3_blackwell/",
+        ),
+        Kernel(
+            key="spas_sage_attn",
+            import_name="spas_sage_attn",
+            pip_name="spas_sage_attn",
+            min_cc=(8, 0),
+            max_cc=(9, 0),
+            source="build",
+            needs_toolkit=True,
+            upstream="https://github.com/thu-ml/SpargeAttn",
+            note="SpargeAttn sparse attention",
+        ),
+        Kernel(
+            key="flash_attn",
+            import_name="flash_attn",
+            pip_name="flash-attn",
+            min_cc=(8, 0),
+            source="wheel",
+            note="flash-attn 2; only a wheel matching the installed torch",
+        ),
+        Kernel(
+            key="flash_attn3",
+            import_name="flash_attn_interface",
+            pip_name="flash_attn_3",
+            arch_families=((9, 0),),
+            source="wheel",
+            note="FlashAttention-3 (Hopper)",
+        ),
+        Kernel(
+            key="flash_attn4",
+            import_name="flash_attn.cute",
+            pip_name="flash-attn-4",
+            arch_families=((9, 0), (10, 0), (10, 3)),
+            source="wheel",
+            note="FlashAttention-4 (CuTe DSL)",
+        ),
+        Kernel(
+            key="xformers",
+            import_name="xformers",
+            pip_name="xformers",
+            min_cc=(5, 0),
+            source="wheel",
+            note="only a wheel built for the installed torch",
+        ),
+        Kernel(
+            key="comfy_kitchen",
+            import_name="comfy_kitchen",
+            pip_name="comfy-kitchen",
+            min_cc=(7, 5),
+            source="wheel",
+            note="int8 attention from comfy-kitchen",
+        ),
+    )
+}
+
+
+def arch_name(cc: tuple[int, int]) -> str:
+    """A human name for a compute capability."""
+    names = {
+        (7, 0): "Volta",
+        (7, 5): "Turing",
+        (8, 0): "Ampere (A100)",
+        (8, 6): "Ampere",
+        (8, 7): "Ampere (Orin)",
+        (8, 9): "Ada",
+        (9, 0): "Hopper",
+        (10, 0): "Blackwell (B200)",
+        (10, 3): "Blackwell (B300)",
+        (12, 0): "Blackwell (consumer)",
+        (12, 1): "Blackwell (GB10)",
+    }
+    return names.get(tuple(cc), f"sm_{cc[0]}{cc[1]}")

@@ -1,0 +1,325 @@
+"""The one entry point: ComfyUI's attention calling convention in, any backend out.
+
+``attention(q, k, v, heads, mask, skip_reshape=..., skip_output_reshape=..., config=...)``
+takes q/k/v as ``[B, N, H*D]`` (or ``[B, H, N, D]`` with ``skip_reshape``) and
+returns exactly what ComfyUI's own attention returns: ``[B, N, H*D]``, or
+``[B, H, N, D]`` with ``skip_output_reshape``.
+
+Layout handling lives here once: kernels are handed a *view* in a layout they
+declare (``NHD`` is a free view of ComfyUI's ``[B, N, H*D]``, ``HND`` a free
+transpose), head dims a kernel lacks are zero-padded, fp32 is computed in a
+half dtype and cast back, and a call a backend cannot take (by its declared
+constraints) or that raises goes to the next backend in the chain, ending at
+SDPA: counted in :class:`Stats` and logged once per (backend, reason).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+from . import backends as _backends  # noqa: F401  (registers every backend)
+from .constraints import CallSpec
+from .registry import REGISTRY, Backend
+from .stats import Stats, cuda_event
+
+log = logging.getLogger("patch_attention.dispatch")
+
+REFERENCE = "sdpa"
+AUTO = "auto"
+
+GLOBAL_STATS = Stats()
+_forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("patch_attention_forced", default=None)
+
+
+class BackendUnavailableError(RuntimeError):
+    """The chosen backend cannot take a call and fallback is off."""
+
+
+@dataclass
+class AttentionConfig:
+    """How calls are dispatched.
+
+    backend: a registry name or ``"auto"``.
+    fallbacks: names tried, in order, when ``backend`` cannot take a call; SDPA ends every chain.
+    allow_fallback: ``False`` raises :class:`BackendUnavailableError` instead of falling back.
+    options: per-backend options, e.g. ``{"sparge": {"cdfthreshd": 0.97}}``.
+    record_time: time each call per backend (CUDA events, read lazily).
+    """
+
+    backend: str = REFERENCE
+    fallbacks: tuple[str, ...] = ()
+    allow_fallback: bool = True
+    options: dict = field(default_factory=dict)
+    record_time: bool = False
+    stats: Stats = field(default_factory=Stats)
+    auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
+
+    def __post_init__(self):
+        for name in (self.backend, *self.fallbacks):
+            if name != AUTO:
+                REGISTRY.get(name)  # KeyError naming the known backends
+
+    def chain(self, first: str) -> tuple[str, ...]:
+        seen: list[str] = []
+        for n in (first, *self.fallbacks, REFERENCE):
+            if n not in seen and n != AUTO:
+                seen.append(n)
+        return tuple(seen)
+
+
+@contextlib.contextmanager
+def use_backend(name: str):
+    """Force ``name`` for every call in this block (overrides the config's backend)."""
+    REGISTRY.get(name)
+    token = _forced.set(name)
+    try:
+        yield
+    finally:
+        _forced.reset(token)
+
+
+# ---------------------------------------------------------------- validation
+
+def _validate(q, k, v, heads, mask, skip_reshape):
+    if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
+        raise ValueError("q, k and v must be tensors")
+    if q.device != k.device or q.device != v.device:
+        raise ValueError(f"q, k, v on different devices: {q.device}, {k.device}, {v.device}")
+    if q.dtype != k.dtype or q.dtype != v.dtype:
+        raise ValueError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not q.is_floating_point():
+        raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
+    want = 4 if skip_reshape else 3
+    layout = "[B, H, N, D]" if skip_reshape else "[B, N, H*D]"
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.ndim != want:
+            raise ValueError(f"{name} must be {layout} ({want}-D) with skip_reshape={skip_reshape}, got shape {tuple(t.shape)}")
+    if not isinstance(heads, int) or heads <= 0:
+        raise ValueError(f"heads must be a positive int, got {heads!r}")
+    if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
+        raise ValueError(f"batch sizes differ: q {q.shape[0]}, k {k.shape[0]}, v {v.shape[0]}")
+    if skip_reshape:
+        if q.shape[1] != heads:
+            raise ValueError(f"q has {q.shape[1]} heads but heads={heads}")
+        if k.shape[1] != v.shape[1] or heads % k.shape[1]:
+            raise ValueError(f"key/value heads ({k.shape[1]}, {v.shape[1]}) must be equal and divide {heads}")
+        if k.shape[2] != v.shape[2]:
+            raise ValueError(f"key length {k.shape[2]} != value length {v.shape[2]}")
+        if q.shape[3] != k.shape[3]:
+            raise ValueError(f"query head dim {q.shape[3]} != key head dim {k.shape[3]}")
+    else:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.shape[-1] % heads:
+                raise ValueError(f"{name} width {t.shape[-1]} is not divisible by heads={heads}")
+        if q.shape[-1] != k.shape[-1]:
+            raise ValueError(f"q width {q.shape[-1]} != k width {k.shape[-1]}")
+        if k.shape[1] != v.shape[1]:
+            raise ValueError(f"key length {k.shape[1]} != value length {v.shape[1]}")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise ValueError(f"mask must be a tensor or None, got {type(mask).__name__}")
+        if mask.ndim not in (2, 3, 4):
+            raise ValueError(f"mask must be 2-D, 3-D or 4-D, got shape {tuple(mask.shape)}")
+        if mask.device != q.device:
+            raise ValueError(f"mask on {mask.device}, q on {q.device}")
+
+
+def _norm_mask(mask, b, h, nq, nk):
+    """ComfyUI's rule: 2-D gets a batch dim, 3-D a heads dim; then it must broadcast."""
+    if mask is None:
+        return None
+    if mask.ndim == 2:
+        mask = mask.unsqueeze(0)
+    if mask.ndim == 3:
+        mask = mask.unsqueeze(1)
+    try:
+        torch.broadcast_shapes(mask.shape, (b, h, nq, nk))
+    except RuntimeError:
+        raise ValueError(f"mask of shape {tuple(mask.shape)} does not broadcast to [B, H, Nq, Nk] = {[b, h, nq, nk]}") from None
+    return mask
+
+
+# ---------------------------------------------------------------- helpers
+
+_cc_cache: dict = {}
+
+
+def _cc(device: torch.device):
+    if device.type != "cuda":
+        return None
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    if idx not in _cc_cache:
+        _cc_cache[idx] = tuple(torch.cuda.get_device_capability(idx))
+    return _cc_cache[idx]
+
+
+def make_spec(q4, k4, v4, layout, mask) -> CallSpec:
+    """Spec of a call whose q/k/v are 4-D in ``layout``."""
+    if layout == "HND":
+        b, h, nq, d = q4.shape
+        hk, nk = k4.shape[1], k4.shape[2]
+    else:
+        b, nq, h, d = q4.shape
+        nk, hk = k4.shape[1], k4.shape[2]
+    mk = None if mask is None else ("bool" if mask.dtype == torch.bool else "float")
+    return CallSpec(q4.device.type, _cc(q4.device), q4.dtype, b, h, hk, nq, nk, d, v4.shape[-1], mk)
+
+
+def _to(t, src, dst):
+    return t if src == dst else t.transpose(1, 2)
+
+
+_warned: set = set()
+
+
+def _warn_once(key, msg, *args):
+    if key not in _warned:
+        _warned.add(key)
+        log.warning(msg, *args)
+
+
+def reset_warnings() -> None:
+    _warned.clear()
+
+
+_plan_cache: dict = {}
+
+
+def plan_for(backend: Backend, spec: CallSpec):
+    key = (backend.name, spec)
+    hit = _plan_cache.get(key)
+    if hit is None:
+        hit = backend.plan(spec)
+        _plan_cache[key] = hit
+    return hit
+
+
+def clear_plan_cache() -> None:
+    _plan_cache.clear()
+
+
+def run_backend(backend: Backend, q4, k4, v4, layout, mask, spec: CallSpec, target: CallSpec, scale, opts):
+    """Call ``backend`` on 4-D q/k/v in ``layout``; returns (out in ``layout`` at spec's dtype/dim, extras)."""
+    bl = layout if layout in backend.layouts else backend.layouts[0]
+    q, k, v = (_to(t, layout, bl) for t in (q4, k4, v4))
+    if target.dtype != spec.dtype:
+        q, k, v = (t.to(target.dtype) for t in (q, k, v))
+    pad = target.head_dim - spec.head_dim
+    if pad:
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
+    if q.stride(-1) != 1:
+        q, k, v = (t.contiguous() for t in (q, k, v))
+    m = mask
+    if m is not None and m.dtype != torch.bool and m.dtype != target.dtype:
+        m = m.to(target.dtype)
+    out = backend.fn(q, k, v, layout=bl, mask=m, scale=scale, opts=opts)
+    extras = None
+    if isinstance(out, tuple):
+        out, extras = out
+    if pad:
+        out = out[..., : spec.head_dim]
+    if out.dtype != spec.dtype:
+        out = out.to(spec.dtype)
+    return _to(out, bl, layout), extras
+
+
+# ---------------------------------------------------------------- entry point
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    heads: int,
+    mask: torch.Tensor | None = None,
+    *,
+    skip_reshape: bool = False,
+    skip_output_reshape: bool = False,
+    config: AttentionConfig | None = None,
+    options: dict | None = None,
+    scale: float | None = None,
+) -> torch.Tensor:
+    """Attention with ComfyUI's calling convention, dispatched per ``config``.
+
+    ``options`` (per call) override ``config.options[backend]`` for this call only,
+    e.g. per-layer SpargeAttn thresholds.
+    """
+    cfg = config if config is not None else AttentionConfig()
+    _validate(q, k, v, heads, mask, skip_reshape)
+    if skip_reshape:
+        layout = "HND"
+        q4, k4, v4 = q, k, v
+    else:
+        layout = "NHD"
+        q4 = q.unflatten(-1, (heads, -1))
+        k4 = k.unflatten(-1, (heads, -1))
+        v4 = v.unflatten(-1, (heads, -1))
+    spec = make_spec(q4, k4, v4, layout, mask)
+    mask4 = _norm_mask(mask, spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    if scale is None:
+        scale = spec.head_dim ** -0.5
+
+    first = _forced.get() or cfg.backend
+    if first == AUTO:
+        from .auto import select
+
+        first = select(cfg, q4, k4, v4, layout, mask4, spec, scale)
+
+    out = None
+    prev, prev_reason = None, None
+    stats = cfg.stats
+    for name in cfg.chain(first):
+        backend = REGISTRY.get(name)
+        target, reason = plan_for(backend, spec)
+        if reason is None:
+            if prev is not None:
+                stats.count_fallback(prev, name, prev_reason)
+                _warn_once((prev, prev_reason), "%s cannot take %s: %s; using %s (counted in stats)",
+                           prev, spec.short(), prev_reason, name)
+            opts = cfg.options.get(name) or {}
+            if options:
+                opts = {**opts, **options}
+            try:
+                if cfg.record_time:
+                    if q.is_cuda:
+                        t0, t1 = cuda_event(), cuda_event()
+                        t0.record()
+                    else:
+                        t0 = time.perf_counter()
+                out, extras = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, scale, opts)
+                if cfg.record_time:
+                    if q.is_cuda:
+                        t1.record()
+                    else:
+                        t1 = time.perf_counter()
+                    stats.add_time(name, t0, t1)
+            except Exception as e:
+                if name == REFERENCE or not cfg.allow_fallback:
+                    raise
+                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+                stats.count_error(name, err)
+                prev, prev_reason = name, f"raised {err}"
+                continue
+            stats.count_call(name)
+            if extras:
+                stats.add_metrics(name, extras)
+            break
+        if not cfg.allow_fallback and name == first:
+            raise BackendUnavailableError(f"attention backend {name!r} cannot take {spec.short()}: {reason} (fallback is off)")
+        if prev is None:
+            prev, prev_reason = name, reason
+    if out is None:  # pragma: no cover - SDPA takes every valid call
+        raise RuntimeError(f"no attention backend could take {spec.short()}")
+
+    if skip_output_reshape:
+        return _to(out, layout, "HND")
+    b, n = spec.batch, spec.q_len
+    if layout == "NHD":
+        return out.reshape(b, n, -1)
+    return out.transpose(1, 2).reshape(b, n, -1)

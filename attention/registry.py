@@ -1,0 +1,158 @@
+"""One registry of attention backends.
+
+A backend is registered once, with what it supports (a tuple of
+:mod:`constraints`), the layouts it accepts and a probe that says whether its
+package is importable here.  A backend whose package is missing stays in the
+registry as *unavailable* with the reason, so "why can't I use X here?" always
+has an answer.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+from dataclasses import dataclass, field
+from typing import Callable
+
+from .constraints import CallSpec, Constraint, plan
+
+log = logging.getLogger("patch_attention.registry")
+
+LAYOUTS = ("HND", "NHD")  # [B, H, N, D] and [B, N, H, D]
+
+
+@dataclass
+class Availability:
+    ok: bool
+    reason: str = ""
+    version: str = ""
+
+
+@dataclass
+class Backend:
+    """One callable kernel.
+
+    ``fn(q, k, v, *, layout, mask, scale, opts)`` gets q/k/v in ``layout`` (one of
+    ``layouts``), a 4-D mask broadcastable to ``[B, H, Nq, Nk]`` or ``None``,
+    the softmax scale and the per-backend options dict; it returns the output
+    in the same layout.  ``probe()`` returns an :class:`Availability`.
+    """
+
+    name: str
+    family: str
+    fn: Callable
+    constraints: tuple[Constraint, ...]
+    layouts: tuple[str, ...] = ("HND",)
+    probe: Callable[[], Availability] = field(default=lambda: Availability(True))
+    description: str = ""
+    options: dict = field(default_factory=dict)  # default per-call options
+    _avail: Availability | None = field(default=None, repr=False)
+
+    def availability(self) -> Availability:
+        if self._avail is None:
+            try:
+                self._avail = self.probe()
+            except Exception as e:  # a probe must never take the pack down
+                self._avail = Availability(False, f"probe failed: {type(e).__name__}: {e}")
+        return self._avail
+
+    @property
+    def available(self) -> bool:
+        return self.availability().ok
+
+    def plan(self, spec: CallSpec) -> tuple[CallSpec, str | None]:
+        """The spec this backend would compute, and why it cannot (or None)."""
+        av = self.availability()
+        if not av.ok:
+            return spec, f"not installed: {av.reason}"
+        return plan(self.constraints, spec)
+
+    def describe(self) -> str:
+        return "; ".join(c.describe() for c in self.constraints)
+
+
+class Registry:
+    def __init__(self) -> None:
+        self._backends: dict[str, Backend] = {}
+
+    def register(self, backend: Backend) -> Backend:
+        if backend.name in self._backends:
+            raise ValueError(f"backend {backend.name!r} is already registered")
+        bad = [x for x in backend.layouts if x not in LAYOUTS]
+        if bad or not backend.layouts:
+            raise ValueError(f"backend {backend.name!r}: layouts must be from {LAYOUTS}, got {backend.layouts}")
+        self._backends[backend.name] = backend
+        return backend
+
+    def get(self, name: str) -> Backend:
+        try:
+            return self._backends[name]
+        except KeyError:
+            raise KeyError(
+                f"unknown attention backend {name!r}; known: {', '.join(self._backends)}"
+            ) from None
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._backends
+
+    def names(self) -> list[str]:
+        return list(self._backends)
+
+    def backends(self) -> list[Backend]:
+        return list(self._backends.values())
+
+    def available(self) -> list[str]:
+        return [b.name for b in self._backends.values() if b.available]
+
+    def why_not(self, name: str, spec: CallSpec | None = None) -> str | None:
+        """``None`` if ``name`` can run (``spec``, when given), else the reason."""
+        b = self.get(name)
+        if spec is None:
+            av = b.availability()
+            return None if av.ok else av.reason
+        return b.plan(spec)[1]
+
+    def refresh(self) -> None:
+        """Forget cached probes (after installing a kernel in a running process)."""
+        for b in self._backends.values():
+            b._avail = None
+
+
+REGISTRY = Registry()
+
+
+def import_probe(module: str, *, attr: str | None = None, check: Callable | None = None):
+    """A probe that imports ``module`` (and needs ``attr`` in it, and ``check(mod)``)."""
+
+    def probe() -> Availability:
+        try:
+            mod = importlib.import_module(module)
+        except Exception as e:
+            return Availability(False, f"import {module} failed: {type(e).__name__}: {e}")
+        if attr is not None and not hasattr(mod, attr):
+            return Availability(False, f"{module} has no {attr} (version {version_of(module)})")
+        if check is not None:
+            reason = check(mod)
+            if reason:
+                return Availability(False, reason)
+        return Availability(True, version=version_of(module))
+
+    return probe
+
+
+def version_of(module: str) -> str:
+    from importlib import metadata
+
+    top = module.split(".")[0]
+    dist = {
+        "flash_attn_interface": "flash_attn_3",
+        "spas_sage_attn": "spas_sage_attn",
+        "comfy_kitchen": "comfy-kitchen",
+    }.get(top, top)
+    for name in (dist, dist.replace("_", "-"), top):
+        try:
+            return metadata.version(name)
+        except Exception:
+            continue
+    mod = importlib.import_module(top)
+    return str(getattr(mod, "__version__", "?"))
