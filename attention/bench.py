@@ -1,0 +1,302 @@
+"""Speed, peak memory and accuracy of every installed backend on diffusion-model shapes.
+
+    python -m attention.bench                        # all presets, all usable backends
+    python -m attention.bench --preset flux --preset wan-480p --json out.json --png out.png
+    python -m attention.bench --shape 2,10,4096,64 --shape 1,24,4608,128,512
+
+Run it from the pack's folder with ComfyUI's Python.  Rows: backends usable
+here, ``auto``, and what other packs do (``peer:comfy_default``: ComfyUI's
+default attention call; ``peer:sageattn``: a raw ``sageattn()`` call).  Times
+are medians of CUDA-event timings; ratios are against SDPA measured in the
+same run.  Accuracy is cosine / relative L1 against fp32 SDPA on inputs with
+DiT-like structure (:mod:`attention.inputs`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import statistics
+import sys
+
+import torch
+
+from .auto import AutoSelector, accuracy
+from .dispatch import AttentionConfig, attention
+from .inputs import structured_qkv
+from .registry import REGISTRY
+
+# name: (B, H, Nq, D, Nk or None, token grid or None, description)
+PRESETS = {
+    "sd15": (2, 8, 4096, 40, None, (64, 64), "SD1.5 512px, first UNet level (cond+uncond)"),
+    "sd15-cross": (2, 8, 4096, 40, 77, (64, 64), "SD1.5 512px cross-attention to 77 tokens"),
+    "sdxl": (2, 10, 4096, 64, None, (64, 64), "SDXL 1024px, first transformer level"),
+    "sd3": (2, 24, 4250, 64, None, None, "SD3 medium 1024px (4096 image + 154 text tokens)"),
+    "flux": (1, 24, 4608, 128, None, None, "Flux 1024px (4096 image + 512 text tokens)"),
+    "wan-480p": (1, 40, 32760, 128, None, (21, 30, 52), "Wan 2.1 14B 480p, 81 frames"),
+    "hunyuan-480p": (1, 24, 25696, 128, None, None, "HunyuanVideo 480p, 61 frames (+256 text)"),
+}
+SKIP_BY_DEFAULT = {"sdpa_math"}
+
+
+def _time(fn, warmup, reps):
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    ts = []
+    for _ in range(reps):
+        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        s.record()
+        fn()
+        e.record()
+        e.synchronize()
+        ts.append(s.elapsed_time(e))
+    return statistics.median(ts)
+
+
+def _peak(fn):
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    fn()
+    torch.cuda.synchronize()
+    return (torch.cuda.max_memory_allocated() - base) / 2**20
+
+
+def _rows(include, exclude):
+    names = [n for n in REGISTRY.names() if REGISTRY.get(n).available and n not in exclude]
+    if include:
+        names = [n for n in names if n in include]
+    return names
+
+
+def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto_cache=None):
+    b, h, nq, d, nk, grid, _ = shape
+    nk = nk or nq
+    dev = torch.device("cuda")
+    q, k, v = structured_qkv(b, h, nq, nk, d, device=dev, dtype=dtype, seed=nq + d, kind="video" if grid and len(grid) == 3 else "image", grid=grid if grid and nq == nk else None)
+    # ComfyUI hands most models' attention [B, N, H*D]
+    qc, kc, vc = (t.transpose(1, 2).reshape(b, t.shape[2], h * d) for t in (q, k, v))
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
+    ref = ref.transpose(1, 2).reshape(b, nq, h * d)
+    out_rows = []
+
+    def row(name, fn, direct=None):
+        r = {"backend": name, "shape": label}
+        try:
+            out = fn()
+            r["cos"], r["rel_l1"] = accuracy(out, ref)
+            r["ms"] = _time(fn, warmup, reps)
+            r["peak_mib"] = round(_peak(fn), 1)
+            if direct is not None:
+                r["direct_ms"] = _time(direct, warmup, reps)
+                r["wrapper_pct"] = 100.0 * (r["ms"] - r["direct_ms"]) / r["direct_ms"]
+        except Exception as e:
+            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
+        out_rows.append(r)
+        if progress:
+            progress.update(1)
+        return r
+
+    for name in names:
+        backend = REGISTRY.get(name)
+        cfg = AttentionConfig(backend=name, allow_fallback=False)
+        direct = None
+        spec_ok = True
+        try:
+            from .dispatch import make_spec, plan_for
+
+            spec = make_spec(q, k, v, "HND", None)
+            target, reason = plan_for(backend, spec)
+            spec_ok = reason is None
+            if spec_ok and target == spec:
+                lay = "NHD" if "NHD" in backend.layouts else backend.layouts[0]
+                qd, kd, vd = (qc.view(b, -1, h, d), kc.view(b, -1, h, d), vc.view(b, -1, h, d))
+                if lay == "HND":
+                    qd, kd, vd = (t.transpose(1, 2) for t in (qd, kd, vd))
+                opts = dict(backend.options)
+
+                def direct(backend=backend, lay=lay, qd=qd, kd=kd, vd=vd, opts=opts):
+                    return backend.fn(qd, kd, vd, layout=lay, mask=None, scale=d**-0.5, opts=opts)
+        except Exception:
+            direct = None
+        if not spec_ok:
+            out_rows.append({"backend": name, "shape": label, "refused": reason})
+            if progress:
+                progress.update(1)
+            continue
+        row(name, lambda cfg=cfg: attention(qc, kc, vc, h, config=cfg), direct)
+
+    auto_cfg = AttentionConfig(backend="auto", auto=AutoSelector(cache_path=auto_cache))
+    r = row("auto", lambda: attention(qc, kc, vc, h, config=auto_cfg))
+    r["auto_choice"] = next(iter(auto_cfg.auto.decisions.values()), None)
+    r["auto_tune_ms"] = round(auto_cfg.auto.tune_ms, 1)
+    r["auto_report"] = next(iter(auto_cfg.stats.decisions.values()), "")
+
+    # what peers do: ComfyUI's default call, and a raw sageattn() call
+    def comfy_default():
+        qq, kk, vv = (t.view(b, -1, h, d).transpose(1, 2) for t in (qc, kc, vc))
+        o = torch.nn.functional.scaled_dot_product_attention(qq, kk, vv, attn_mask=None, dropout_p=0.0, is_causal=False)
+        return o.transpose(1, 2).reshape(b, -1, h * d)
+
+    row("peer:comfy_default", comfy_default)
+    if REGISTRY.get("sage").available:
+        import sageattention
+
+        def raw_sage():
+            o = sageattention.sageattn(qc.view(b, -1, h, d), kc.view(b, -1, h, d), vc.view(b, -1, h, d), tensor_layout="NHD", is_causal=False)
+            return o.reshape(b, -1, h * d)
+
+        row("peer:sageattn", raw_sage)
+    sdpa_ms = next((x["ms"] for x in out_rows if x["backend"] == "sdpa" and "ms" in x), None)
+    for x in out_rows:
+        if sdpa_ms and "ms" in x:
+            x["speedup_vs_sdpa"] = round(sdpa_ms / x["ms"], 3)
+    return out_rows
+
+
+def render_markdown(meta, rows, presets):
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    names = list(dict.fromkeys(r["backend"] for r in rows))
+    by = {(r["backend"], r["shape"]): r for r in rows}
+    out = [
+        f"{meta['gpu']} · torch {meta['torch']} · {meta['dtype']} · {meta['date']} · median of {meta['reps']} "
+        "CUDA-event timings; speed-up = SDPA ms / backend ms, same run; accuracy vs fp32 SDPA.",
+        "",
+        "Shapes: " + "; ".join(f"`{s}` = {presets[s][6] if s in presets else s}" for s in shapes),
+        "",
+        "| backend | " + " | ".join(shapes) + " |",
+        "|---|" + "---|" * len(shapes),
+    ]
+    for n in names:
+        cells = []
+        for s in shapes:
+            r = by.get((n, s))
+            if r is None:
+                cells.append("")
+            elif "refused" in r:
+                cells.append("n/a")
+            elif "error" in r:
+                cells.append("error")
+            else:
+                c = f"{r['ms']:.3f} ms ×{r.get('speedup_vs_sdpa', 0):.2f}"
+                if n == "auto" and r.get("auto_choice"):
+                    c += f" → {r['auto_choice']}"
+                cells.append(c)
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    out += ["", "Accuracy (cos / rel-L1) and peak extra memory (MiB):", "",
+            "| backend | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
+    for n in names:
+        cells = []
+        for s in shapes:
+            r = by.get((n, s))
+            if r is None or "cos" not in r:
+                cells.append("" if r is None else ("n/a" if "refused" in r else "error"))
+            else:
+                cells.append(f"{r['cos']:.4f} / {r['rel_l1']:.3f} · {r['peak_mib']:.0f}")
+        out.append(f"| {n} | " + " | ".join(cells) + " |")
+    wr = [r for r in rows if "wrapper_pct" in r]
+    if wr:
+        out += ["", "Wrapper overhead (dispatch from ComfyUI's `[B, N, H*D]` vs calling the kernel on the same view):", ""]
+        out += [f"- {r['backend']} @ {r['shape']}: {r['direct_ms']:.3f} → {r['ms']:.3f} ms ({r['wrapper_pct']:+.1f} %)" for r in wr]
+    notes = [r for r in rows if "error" in r or "refused" in r]
+    if notes:
+        out += ["", "Not run:", ""] + [f"- {r['backend']} @ {r['shape']}: {r.get('error') or r.get('refused')}" for r in notes]
+    autos = [r for r in rows if r["backend"] == "auto" and r.get("auto_report")]
+    if autos:
+        out += ["", "What `auto` measured:", ""] + [f"- {r['shape']}: {r['auto_report']}" for r in autos]
+    return "\n".join(out) + "\n"
+
+
+def plot(rows, path):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    shapes = list(dict.fromkeys(r["shape"] for r in rows))
+    names = [n for n in dict.fromkeys(r["backend"] for r in rows)]
+    fig, ax = plt.subplots(figsize=(max(8, 1.6 * len(shapes)), 5))
+    w = 0.8 / max(1, len(names))
+    for i, n in enumerate(names):
+        ys = []
+        for s in shapes:
+            r = next((x for x in rows if x["backend"] == n and x["shape"] == s), {})
+            ys.append(r.get("speedup_vs_sdpa", 0.0))
+        ax.bar([j + i * w for j in range(len(shapes))], ys, w, label=n)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([j + 0.4 - w / 2 for j in range(len(shapes))], shapes)
+    ax.set_ylabel("speed-up vs SDPA (same run)")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(prog="python -m attention.bench", description=__doc__.split("\n")[0])
+    ap.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
+    ap.add_argument("--shape", action="append", default=[], help="B,H,N,D[,Nk] (repeatable)")
+    ap.add_argument("--backends", default="", help="comma-separated subset")
+    ap.add_argument("--dtype", default="bf16", choices=("bf16", "fp16"))
+    ap.add_argument("--warmup", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--json", help="write results here")
+    ap.add_argument("--md", help="write a markdown table here")
+    ap.add_argument("--png", help="write a speed-up plot here (needs matplotlib)")
+    ap.add_argument("--from-json", help="render --md/--png from an earlier --json, run nothing")
+    a = ap.parse_args(argv)
+
+    if a.from_json:
+        data = json.load(open(a.from_json))
+        meta, rows = data["meta"], data["rows"]
+    else:
+        if not torch.cuda.is_available():
+            print("no CUDA GPU: nothing to benchmark (PyTorch SDPA is what runs here)", file=sys.stderr)
+            return 2
+        shapes = {p: PRESETS[p] for p in (a.preset or PRESETS)}
+        for s in a.shape:
+            parts = [int(x) for x in s.split(",")]
+            if len(parts) not in (4, 5):
+                ap.error(f"--shape wants B,H,N,D[,Nk], got {s!r}")
+            b, h, n, d = parts[:4]
+            shapes[s] = (b, h, n, d, parts[4] if len(parts) == 5 else None, None, f"user shape {s}")
+        names = _rows(set(filter(None, a.backends.split(","))), SKIP_BY_DEFAULT)
+        dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
+        try:
+            from tqdm import tqdm
+
+            progress = tqdm(total=len(shapes) * (len(names) + 3), desc="benchmark", unit="run")
+        except ImportError:
+            progress = None
+        rows = []
+        for label, shape in shapes.items():
+            rows += bench_shape(label, shape, names, dtype=dtype, warmup=a.warmup, reps=a.reps, progress=progress)
+        if progress:
+            progress.close()
+        meta = {
+            "gpu": torch.cuda.get_device_name(),
+            "torch": torch.__version__,
+            "dtype": a.dtype,
+            "date": datetime.date.today().isoformat(),
+            "reps": a.reps,
+            "versions": {n: REGISTRY.get(n).availability().version for n in names},
+        }
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    md = render_markdown(meta, rows, PRESETS)
+    print(md)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(md)
+    if a.png:
+        try:
+            plot(rows, a.png)
+        except ImportError:
+            print("matplotlib is not installed: no plot", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

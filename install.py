@@ -1,0 +1,697 @@
+#!/usr/bin/env python
+"""Install the attention kernels this machine's GPUs can run, without touching torch.
+
+Run by ComfyUI Manager after cloning (non-interactive, ComfyUI's Python), or by
+hand with the Python that runs ComfyUI:
+
+    python install.py --dry-run          # print the plan only
+    python install.py --yes              # do it
+    python install.py --sage-source ~/src/SageAttention --sparge-source ~/src/SpargeAttn
+
+Every pip call runs with a constraints file that pins the installed torch,
+torchvision and torchaudio; torch is checked again after each step and what a
+step installed is removed if torch moved anyway.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib.util
+import json
+import os
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+
+
+def _load_capabilities():
+    """``attention/capabilities.py`` by path: pure data, no torch, no package import."""
+    spec = importlib.util.spec_from_file_location("_pa_capabilities", HERE / "attention" / "capabilities.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+CAPS = _load_capabilities()
+KERNELS = CAPS.KERNELS
+
+PINNED = ("torch", "torchvision", "torchaudio")
+DEFAULT_SOURCES = {
+    "sageattention": "https://github.com/thu-ml/SageAttention",
+    "sageattn3": "https://github.com/thu-ml/SageAttention",
+    "spas_sage_attn": "https://github.com/thu-ml/SpargeAttn",
+}
+# Minimum nvcc per arch (SageAttention's setup.py refuses older ones).
+NVCC_MIN_FOR_ARCH = {(8, 9): (12, 4), (9, 0): (12, 3), (12, 0): (12, 8), (12, 1): (12, 9), (10, 0): (12, 8)}
+BUILD_TOOLS = ("setuptools", "wheel", "packaging", "ninja")  # what a --no-build-isolation build imports
+DEFAULT_SET = ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "comfy_kitchen")
+OPTIONAL_SET = ("flash_attn", "flash_attn3", "xformers")  # wheels only; on request (--only/--with)
+
+
+# ============================================================ detection
+
+@dataclass
+class GPU:
+    name: str
+    cc: tuple[int, int]
+
+
+@dataclass
+class Machine:
+    os: str = platform.system()
+    python: str = platform.python_version()
+    torch: str | None = None
+    torch_cuda: str | None = None
+    torch_hip: str | None = None
+    gpus: list[GPU] = field(default_factory=list)
+    gpu_source: str = ""  # "torch" or "nvidia-smi"
+    nvcc: tuple[int, int] | None = None
+    nvcc_path: str | None = None
+    cuda_home: str | None = None
+    gcc: tuple[int, int] | None = None
+    cores: int = 1
+    mem_gb: float = 8.0
+    installed: dict = field(default_factory=dict)  # dist name -> version
+    sage_modules: dict = field(default_factory=dict)  # "_qattn_sm90" -> bool
+    pinned: dict = field(default_factory=dict)  # torch/torchvision/torchaudio -> version
+    build_tools: dict = field(default_factory=lambda: {t: "?" for t in BUILD_TOOLS})  # name -> version or None
+
+    @property
+    def archs(self) -> list[tuple[int, int]]:
+        return sorted({g.cc for g in self.gpus})
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+
+def _run(cmd, **kw) -> str | None:
+    try:
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60, **kw).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _version_tuple(text: str | None, pattern: str) -> tuple[int, int] | None:
+    if not text:
+        return None
+    m = re.search(pattern, text)
+    return (int(m.group(1)), int(m.group(2))) if m else None
+
+
+def _dist_version(name: str) -> str | None:
+    from importlib import metadata
+
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def find_nvcc() -> tuple[str | None, str | None]:
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    cands = []
+    if home:
+        cands.append(os.path.join(home, "bin", "nvcc"))
+    which = shutil.which("nvcc")
+    if which:
+        cands.append(which)
+    cands.append("/usr/local/cuda/bin/nvcc")
+    for c in cands:
+        if c and os.path.exists(c):
+            return c, home or str(Path(c).resolve().parent.parent)
+    return None, home
+
+
+def detect() -> Machine:
+    m = Machine()
+    m.cores = os.cpu_count() or 1
+    try:
+        m.mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
+    except (ValueError, OSError, AttributeError):
+        pass
+    try:
+        import torch
+
+        m.torch = torch.__version__
+        m.torch_cuda = torch.version.cuda
+        m.torch_hip = getattr(torch.version, "hip", None)
+        if torch.cuda.is_available() and not m.torch_hip:
+            for i in range(torch.cuda.device_count()):
+                m.gpus.append(GPU(torch.cuda.get_device_name(i), tuple(torch.cuda.get_device_capability(i))))
+            m.gpu_source = "torch"
+    except Exception:
+        pass
+    if not m.gpus and not m.torch_hip:
+        out = _run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader"])
+        for line in (out or "").strip().splitlines():
+            try:
+                name, cap = [x.strip() for x in line.rsplit(",", 1)]
+                a, b = cap.split(".")
+                m.gpus.append(GPU(name, (int(a), int(b))))
+                m.gpu_source = "nvidia-smi"
+            except ValueError:
+                continue
+    m.nvcc_path, m.cuda_home = find_nvcc()
+    if m.nvcc_path:
+        m.nvcc = _version_tuple(_run([m.nvcc_path, "--version"]), r"release (\d+)\.(\d+)")
+    m.gcc = _version_tuple(_run([os.environ.get("CXX", "g++"), "-dumpfullversion", "-dumpversion"]), r"(\d+)\.(\d+)")
+    if m.gcc is None:
+        v = _run([os.environ.get("CXX", "g++"), "-dumpversion"])
+        if v and v.strip().isdigit():
+            m.gcc = (int(v.strip()), 0)
+    for k in KERNELS.values():
+        dist = k.pip_name.split("==")[0]
+        v = _dist_version(dist)
+        if v:
+            m.installed[dist] = v
+    for name in PINNED:
+        v = _dist_version(name)
+        if v:
+            m.pinned[name] = v
+    m.build_tools = {t: _dist_version(t) for t in BUILD_TOOLS}
+    if "sageattention" in m.installed:
+        m.sage_modules = _sage_modules()
+    return m
+
+
+def _sage_modules() -> dict:
+    out = {}
+    for mod in ("_qattn_sm80", "_qattn_sm89", "_qattn_sm90", "_fused"):
+        try:
+            out[mod] = importlib.util.find_spec(f"sageattention.{mod}") is not None
+        except Exception:
+            out[mod] = False
+    return out
+
+
+# ============================================================ planning
+
+@dataclass
+class Step:
+    kernel: str
+    action: str  # "build", "wheel", "ok" (already there), "skip"
+    reason: str
+    pip_args: list = field(default_factory=list)
+    env: dict = field(default_factory=dict)
+    fixes: list = field(default_factory=list)
+    source: str | None = None
+    subdir: str | None = None
+    status: str = "planned"
+    detail: str = ""
+    seconds: float = 0.0
+
+
+@dataclass(frozen=True)
+class Fix:
+    """A known build problem, patched in a copy of the source."""
+
+    name: str
+    kernel: str
+    file: str
+    old: str
+    new: str
+    why: str
+
+    def applies(self, m: Machine) -> bool:
+        if self.name == "sparge-cassert-gcc13":
+            return (m.gcc or (0, 0)) >= (13, 0)
+        return True
+
+    def apply(self, root: Path) -> bool:
+        p = root / self.file
+        text = p.read_text()
+        if self.old not in text:
+            return False
+        p.write_text(text.replace(self.old, self.new))
+        return True
+
+
+FIXES = (
+    Fix(
+        name="sparge-cassert-gcc13",
+        kernel="spas_sage_attn",
+        file="setup.py",
+        old='"-Xcompiler", "-include,cassert",',
+        new="",
+        why="GCC >= 13 with CUDA 13: forcing <cassert> into every nvcc unit redefines std::__terminate",
+    ),
+    Fix(
+        name="sparge-autogen-interpreter",
+        kernel="spas_sage_attn",
+        file="setup.py",
+        old='os.system(f"python {py_file}")',
+        new='os.system(f\'"{__import__(\'sys\').executable}" "{py_file}"\')',
+        why="its kernel-instantiation generator runs `python`, which may be absent or another Python",
+    ),
+)
+
+
+def arch_list(archs) -> str:
+    return ";".join(f"{a}.{b}" for a, b in archs)
+
+
+def toolkit_problem(m: Machine, archs) -> str | None:
+    """Why a CUDA extension cannot be built here, or None."""
+    if not m.nvcc:
+        return "no CUDA toolkit (nvcc not found; set CUDA_HOME)"
+    if not m.torch_cuda:
+        return "this torch has no CUDA"
+    torch_major = int(m.torch_cuda.split(".")[0])
+    if m.nvcc[0] != torch_major:
+        return f"nvcc {m.nvcc[0]}.{m.nvcc[1]} does not match torch's CUDA {m.torch_cuda} (major versions must agree)"
+    for a in archs:
+        need = NVCC_MIN_FOR_ARCH.get(a)
+        if need and m.nvcc < need:
+            return f"nvcc {m.nvcc[0]}.{m.nvcc[1]} is too old for sm_{a[0]}{a[1]} (needs {need[0]}.{need[1]})"
+    if m.gcc is None:
+        return "no C++ compiler (g++) found"
+    if m.os != "Linux" and m.os != "Windows":
+        return f"building on {m.os} is not supported"
+    return None
+
+
+def max_jobs(m: Machine) -> int:
+    # nvcc on these kernels takes ~3 GB per job at its peak
+    return max(1, min(m.cores, int(m.mem_gb // 3)))
+
+
+def _wants(key: str, only, skip) -> bool:
+    if only:
+        return key in only
+    if key in skip:
+        return False
+    return key in DEFAULT_SET
+
+
+def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Step]:
+    sources = sources or {}
+    only, skip = set(only), set(skip)
+    unknown = (only | skip) - set(KERNELS)
+    if unknown:
+        raise SystemExit(f"unknown kernel(s): {', '.join(sorted(unknown))}; known: {', '.join(KERNELS)}")
+    steps: list[Step] = []
+    if m.torch is None:
+        return [Step("*", "skip", "torch is not installed in this Python; run with ComfyUI's Python")]
+    if m.torch_hip:
+        return [Step("*", "skip", f"ROCm torch ({m.torch_hip}): these kernels are CUDA-only; PyTorch SDPA stays in use")]
+    if not m.gpus:
+        return [Step("*", "skip", "no NVIDIA GPU found (torch and nvidia-smi see none): nothing to build, PyTorch SDPA is used")]
+
+    tk_reason = None
+    sage2_built = False
+    for key in ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", *OPTIONAL_SET, "comfy_kitchen"):
+        k = KERNELS[key]
+        if not _wants(key, only, skip):
+            continue
+        archs = [a for a in m.archs if k.runs_on(a)]
+        dist = k.pip_name.split("==")[0]
+        if not archs:
+            steps.append(Step(key, "skip", f"needs {k.describe_arch()}; GPUs here: {describe_gpus(m)}"))
+            continue
+        if k.source == "build":
+            tk_reason = toolkit_problem(m, archs)
+            have = m.installed.get(dist)
+            if key == "sageattention" and have and have.startswith("2") and not force:
+                need = {"_qattn_sm80"} | ({"_qattn_sm89"} if any(a >= (8, 9) for a in archs) else set())
+                need |= {"_qattn_sm90"} if (9, 0) in archs else set()
+                missing = [x for x in sorted(need) if not m.sage_modules.get(x)]
+                if not missing:
+                    steps.append(Step(key, "ok", f"sageattention {have} with {', '.join(sorted(need))}"))
+                    sage2_built = True
+                    continue
+                if tk_reason:
+                    steps.append(Step(key, "skip", f"sageattention {have} lacks {', '.join(missing)}; cannot rebuild: {tk_reason}"))
+                    continue
+            elif have and key != "sageattention" and not force:
+                steps.append(Step(key, "ok", f"{dist} {have} already installed"))
+                continue
+            if tk_reason:
+                steps.append(Step(key, "skip", tk_reason))
+                continue
+            env = {"TORCH_CUDA_ARCH_LIST": arch_list(archs), "MAX_JOBS": str(max_jobs(m))}
+            if m.cuda_home:
+                env["CUDA_HOME"] = m.cuda_home
+            fixes = [f for f in FIXES if f.kernel == key and f.applies(m)]
+            src = sources.get(key) or DEFAULT_SOURCES[key]
+            steps.append(
+                Step(
+                    key, "build", f"build from source for {arch_list(archs)}",
+                    env=env, fixes=fixes, source=src,
+                    subdir="sageattention3_blackwell" if key == "sageattn3" else None,
+                )
+            )
+            if key == "sageattention":
+                sage2_built = True
+            continue
+        # wheels
+        if key == "sageattention1":
+            if sage2_built:
+                continue  # 2.x covers it; 1.0.6 would replace it (same module name)
+            have = m.installed.get("sageattention")
+            if have and not force:
+                steps.append(Step(key, "ok", f"sageattention {have} already installed"))
+                continue
+            why = tk_reason or "SageAttention 2 not selected"
+            steps.append(Step(key, "wheel", f"Triton build from PyPI ({why})", pip_args=[k.pip_name]))
+            continue
+        have = m.installed.get(dist)
+        if have and not force:
+            steps.append(Step(key, "ok", f"{dist} {have} already installed"))
+            continue
+        if key == "comfy_kitchen" and _torch_tuple(m.torch) < (2, 10):
+            steps.append(Step(key, "skip", f"comfy-kitchen needs torch >= 2.10, this is {m.torch}"))
+            continue
+        if key == "xformers" and _torch_tuple(m.torch) < (2, 10):
+            steps.append(Step(key, "skip", f"xformers wheels on PyPI need torch >= 2.10, this is {m.torch}"))
+            continue
+        steps.append(Step(key, "wheel", "prebuilt wheel matching the pinned torch", pip_args=["--only-binary=:all:", k.pip_name]))
+    if any(s.action == "build" for s in steps):
+        missing = [t for t, v in m.build_tools.items() if not v]
+        if missing:
+            steps.insert(0, Step("build-tools", "wheel", "needed to compile: " + ", ".join(missing), pip_args=missing))
+    return steps
+
+
+def _torch_tuple(v: str) -> tuple[int, int]:
+    return _version_tuple(v, r"(\d+)\.(\d+)") or (0, 0)
+
+
+def describe_gpus(m: Machine) -> str:
+    return ", ".join(f"{g.name} (sm {g.cc[0]}.{g.cc[1]}, {CAPS.arch_name(g.cc)})" for g in m.gpus) or "none"
+
+
+def render_plan(m: Machine, steps: list[Step]) -> str:
+    lines = [
+        f"Python {m.python} on {m.os}; torch {m.torch or '-'}"
+        + (f" (CUDA {m.torch_cuda})" if m.torch_cuda else "")
+        + (f" (ROCm {m.torch_hip})" if m.torch_hip else ""),
+        f"GPUs: {describe_gpus(m)}" + (f" [via {m.gpu_source}]" if m.gpu_source else ""),
+        f"nvcc: {'%d.%d' % m.nvcc if m.nvcc else '-'} ({m.nvcc_path or 'not found'}); "
+        f"g++: {'%d.%d' % m.gcc if m.gcc else '-'}; {m.cores} cores, {m.mem_gb:.0f} GB",
+        "installed: " + (", ".join(f"{k} {v}" for k, v in sorted(m.installed.items())) or "none of the kernels"),
+        "pinned: " + (", ".join(f"{k}=={v}" for k, v in m.pinned.items()) or "-"),
+        "",
+        "plan:",
+    ]
+    for s in steps:
+        extra = ""
+        if s.action == "build":
+            extra = f"  [{' '.join(f'{k}={v}' for k, v in s.env.items() if k != 'CUDA_HOME')}; source {s.source}]"
+            for f in s.fixes:
+                extra += f"\n      fix {f.name}: {f.why}"
+        lines.append(f"  {s.kernel:<16} {s.action:<6} {s.reason}{extra}")
+    todo = [s for s in steps if s.action in ("build", "wheel")]
+    if not todo:
+        lines.append("nothing to install: " + ("everything planned is already there" if any(s.action == "ok" for s in steps) else "see the reasons above"))
+    return "\n".join(lines)
+
+
+# ============================================================ execution
+
+class Installer:
+    def __init__(self, m: Machine, log_dir: Path, pip_extra=(), quiet=False):
+        self.m = m
+        self.log_dir = log_dir
+        self.pip_extra = list(pip_extra)
+        self.quiet = quiet
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.constraints = log_dir / "torch-pins.txt"
+        self.constraints.write_text("".join(f"{k}=={v}\n" for k, v in m.pinned.items()))
+
+    def pip(self, args, log: Path, env=None, position=0) -> int:
+        cmd = [sys.executable, "-m", "pip", "install", "--constraint", str(self.constraints), *self.pip_extra, *args]
+        return self._stream(cmd, log, env=env, position=position)
+
+    def _stream(self, cmd, log: Path, env=None, position=0) -> int:
+        full_env = dict(os.environ)
+        full_env.update(env or {})
+        full_env["PIP_CONSTRAINT"] = str(self.constraints)
+        bar = _progress(log.stem, self.quiet, position)
+        with open(log, "a") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env)
+            for line in proc.stdout:
+                f.write(line)
+                bar(line)
+            rc = proc.wait()
+        bar(None)
+        return rc
+
+    def torch_moved(self) -> str | None:
+        code = "import json\nfrom importlib import metadata as m\nout={}\nfor n in %r:\n try: out[n]=m.version(n)\n except Exception: pass\nprint(json.dumps(out))" % (PINNED,)
+        out = _run([sys.executable, "-c", code])
+        now = json.loads(out) if out else {}
+        moved = [f"{k} {v} -> {now.get(k)}" for k, v in self.m.pinned.items() if now.get(k) != v]
+        return "; ".join(moved) or None
+
+    def installed_now(self) -> set[str]:
+        out = _run([sys.executable, "-m", "pip", "list", "--format=json"])
+        try:
+            return {d["name"].lower() for d in json.loads(out or "[]")}
+        except ValueError:
+            return set()
+
+    def run_all(self, steps: list[Step]) -> None:
+        """Wheels one by one, then every build at once (each compile is mostly one long nvcc unit)."""
+        for s in steps:
+            if s.action == "wheel":
+                self._guarded([s])
+        builds = [s for s in steps if s.action == "build"]
+        if builds:
+            self._guarded(builds)
+
+    def _guarded(self, group: list[Step]) -> None:
+        before = self.installed_now()
+        if len(group) == 1:
+            self._one(group[0], 0)
+        else:
+            from concurrent.futures import ThreadPoolExecutor
+
+            with ThreadPoolExecutor(len(group)) as ex:
+                list(ex.map(self._one, group, range(len(group))))
+        moved = self.torch_moved()
+        if moved:
+            new = sorted(self.installed_now() - before)
+            if new:
+                subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", *new], capture_output=True)
+            for s in group:
+                s.status, s.detail = "failed", f"torch moved ({moved}); removed {', '.join(new) or 'nothing'}"
+
+    def _one(self, s: Step, position: int) -> None:
+        log = self.log_dir / f"{s.kernel}.log"
+        log.write_text("")
+        print(f"== {s.kernel}: {s.action} ({s.reason}); log {log}", flush=True)
+        t0 = time.time()
+        if s.action == "wheel":
+            rc = self.pip(s.pip_args, log, position=position)
+        else:
+            rc = self.build(s, log, position)
+        s.seconds = time.time() - t0
+        if rc != 0:
+            s.status = "failed"
+            s.detail = f"pip exited {rc} after {s.seconds:.0f} s; {likely_cause(log.read_text())}; log: {log}"
+            if not self.quiet:
+                print(f"--- last lines of {log} ---\n" + "\n".join(log.read_text().splitlines()[-25:]), flush=True)
+        else:
+            s.status, s.detail = "installed", f"{s.seconds:.0f} s"
+        print(f"== {s.kernel}: {s.status} {s.detail}", flush=True)
+
+    def build(self, s: Step, log: Path, position=0) -> int:
+        work = Path(tempfile.mkdtemp(prefix=f"pa-build-{s.kernel}-"))
+        src = fetch_source(s.source, work / "src", log)
+        if src is None:
+            return 1
+        root = src / s.subdir if s.subdir else src
+        with open(log, "a") as f:
+            for fix in s.fixes:
+                ok = fix.apply(root)
+                f.write(f"fix {fix.name}: {'applied' if ok else 'not needed (pattern absent)'}\n")
+        return self.pip(["--no-build-isolation", "--no-deps", "-v", str(root)], log, env=s.env, position=position)
+
+
+def fetch_source(source: str, dest: Path, log: Path) -> Path | None:
+    """Copy a local source tree (or archive), or clone a git URL, into ``dest``."""
+    p = Path(os.path.expanduser(source))
+    if p.exists():
+        if p.is_dir():
+            shutil.copytree(p, dest, ignore=shutil.ignore_patterns(".git", "build", "*.egg-info", "assets"))
+            return dest
+        shutil.unpack_archive(str(p), str(dest))
+        kids = [c for c in dest.iterdir() if c.is_dir()]
+        return kids[0] if len(kids) == 1 and not (dest / "setup.py").exists() else dest
+    if re.match(r"^(https?|git|ssh)://|^git@", source):
+        with open(log, "a") as f:
+            rc = subprocess.run(["git", "clone", "--depth", "1", source, str(dest)], stdout=f, stderr=subprocess.STDOUT).returncode
+        return dest if rc == 0 else None
+    with open(log, "a") as f:
+        f.write(f"source {source!r} is neither a path nor a git URL\n")
+    return None
+
+
+CAUSES = (
+    (r"redefinition of .*__terminate", "GCC >= 13 with CUDA 13 and '-include cassert' (the sparge-cassert-gcc13 fix)"),
+    (r"nvcc.*not found|No CUDA runtime is found|CUDA_HOME environment variable is not set", "no CUDA toolkit: install it or set CUDA_HOME"),
+    (r"The detected CUDA version \(.*\) mismatches", "nvcc and torch's CUDA differ: install the toolkit matching torch"),
+    (r"Killed|out of memory|std::bad_alloc", "the compiler ran out of memory: set MAX_JOBS lower"),
+    (r"No matching distribution|Could not find a version", "no wheel for this Python/torch/platform"),
+    (r"Cannot install .* because these package versions have conflicting|ResolutionImpossible", "it would need another torch (the pins refused it)"),
+    (r"unsupported GNU version", "host compiler too new for this nvcc: set CC/CXX to an older gcc"),
+    (r"Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection", "no network: use --find-links/--no-index or local --*-source paths"),
+)
+
+
+def likely_cause(text: str) -> str:
+    for pat, cause in CAUSES:
+        if re.search(pat, text):
+            return "likely cause: " + cause
+    return "see the log"
+
+
+def _progress(name: str, quiet: bool, position: int = 0):
+    """A tqdm bar fed with ninja's ``[i/n]`` lines (and a line count otherwise)."""
+    if quiet:
+        return lambda line: None
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return lambda line: None
+    bar = tqdm(desc=name, unit="step", leave=True, dynamic_ncols=True, position=position, mininterval=2)
+    pat = re.compile(r"^\[(\d+)/(\d+)\]")
+
+    def feed(line):
+        if line is None:
+            bar.close()
+            return
+        mt = pat.match(line)
+        if mt:
+            bar.total = int(mt.group(2))
+            bar.n = int(mt.group(1))
+            bar.refresh()
+
+    return feed
+
+
+# ============================================================ verification
+
+VERIFY_CODE = r"""
+import json, sys
+sys.path.insert(0, {root!r})
+import torch
+from attention import REGISTRY, AttentionConfig, attention
+rows = []
+dev = torch.device("cuda")
+q, k, v = (torch.randn(1, 256, 4 * 64, device=dev, dtype=torch.float16) for _ in range(3))
+ref = attention(q.float(), k.float(), v.float(), 4, config=AttentionConfig(backend="sdpa"))
+for b in REGISTRY.backends():
+    av = b.availability()
+    row = {{"backend": b.name, "family": b.family, "version": av.version, "installed": av.ok}}
+    if av.ok:
+        cfg = AttentionConfig(backend=b.name, allow_fallback=False)
+        try:
+            out = attention(q, k, v, 4, config=cfg)
+            cos = torch.nn.functional.cosine_similarity(out.float().flatten(), ref.flatten(), dim=0).item()
+            row.update(status="ok" if cos > 0.99 else "WRONG", detail=f"cos {{cos:.5f}} vs SDPA")
+        except Exception as e:
+            row.update(status="unusable", detail=f"{{type(e).__name__}}: {{str(e).splitlines()[0][:120]}}")
+    else:
+        row.update(status="absent", detail=av.reason[:120])
+    rows.append(row)
+print("JSON:" + json.dumps(rows))
+"""
+
+
+def verify() -> list[dict]:
+    out = _run([sys.executable, "-c", VERIFY_CODE.format(root=str(HERE))])
+    for line in (out or "").splitlines():
+        if line.startswith("JSON:"):
+            return json.loads(line[5:])
+    return []
+
+
+# ============================================================ main
+
+def parse(argv=None):
+    p = argparse.ArgumentParser(description="Install the attention kernels this GPU can run (torch stays as it is).")
+    p.add_argument("--dry-run", action="store_true", help="print the plan, change nothing")
+    p.add_argument("--yes", "-y", action="store_true", help="no questions (ComfyUI Manager runs it so)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--only", default="", help="comma-separated kernels: " + ", ".join(KERNELS))
+    p.add_argument("--skip", default="", help="comma-separated kernels not to install")
+    p.add_argument("--with", dest="with_", default="", help="add optional wheels: " + ", ".join(OPTIONAL_SET))
+    p.add_argument("--sage-source", help="SageAttention source: a local path, archive or git URL")
+    p.add_argument("--sparge-source", help="SpargeAttn source: a local path, archive or git URL")
+    p.add_argument("--force", action="store_true", help="reinstall what is already there")
+    p.add_argument("--no-verify", action="store_true", help="skip the GPU check after installing")
+    p.add_argument("--log-dir", default=str(HERE / ".build" / "logs"))
+    p.add_argument("--find-links", action="append", default=[], help="passed to pip (offline wheels)")
+    p.add_argument("--no-index", action="store_true", help="passed to pip")
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    a = parse(argv)
+    split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
+    only = split(a.only)
+    if a.with_:
+        only = (only or list(DEFAULT_SET)) + split(a.with_)
+    m = detect()
+    sources = {}
+    if a.sage_source:
+        sources["sageattention"] = sources["sageattn3"] = a.sage_source
+    if a.sparge_source:
+        sources["spas_sage_attn"] = a.sparge_source
+    steps = plan(m, only=only, skip=split(a.skip), sources=sources, force=a.force)
+    todo = [s for s in steps if s.action in ("build", "wheel")]
+    if a.json and a.dry_run:
+        print(json.dumps({"machine": m.to_json(), "plan": [_step_json(s) for s in steps]}, indent=1, default=str))
+        return 0
+    print(render_plan(m, steps), flush=True)
+    if a.dry_run:
+        return 0
+    if not todo:
+        return 0
+    if not a.yes and sys.stdin.isatty():
+        if input("go ahead? [y/N] ").strip().lower() not in ("y", "yes"):
+            return 1
+    pip_extra = [f"--find-links={x}" for x in a.find_links] + (["--no-index"] if a.no_index else [])
+    inst = Installer(m, Path(a.log_dir), pip_extra=pip_extra, quiet=a.json)
+    inst.run_all(todo)
+    rows = [] if a.no_verify else verify()
+    failed = [s for s in todo if s.status != "installed"]
+    if a.json:
+        print(json.dumps({"plan": [_step_json(s) for s in steps], "verify": rows}, indent=1, default=str))
+    else:
+        print("\nkernel            status     detail")
+        for s in steps:
+            print(f"  {s.kernel:<16} {s.status if s.action in ('build', 'wheel') else s.action:<10} {s.detail or s.reason}")
+        if rows:
+            print("\nbackend                 version          status     detail")
+            for r in rows:
+                print(f"  {r['backend']:<22} {r['version'] or '-':<16} {r['status']:<10} {r['detail']}")
+    # Exit non-zero only for what the user asked for by name (--only/--with/--*-source);
+    # a default run that could not add a kernel leaves the pack working on SDPA.
+    asked = set(only) | set(sources)
+    if failed and not asked:
+        print("some kernels could not be installed; the pack still works with what is there (see above)")
+    return 1 if any(s.kernel in asked for s in failed) else 0
+
+
+def _step_json(s: Step) -> dict:
+    d = dataclasses.asdict(s)
+    d["fixes"] = [f.name for f in s.fixes]
+    return d
+
+
+if __name__ == "__main__":
+    sys.exit(main())
