@@ -250,7 +250,7 @@ FIXES = (
         kernel="spas_sage_attn",
         file="setup.py",
         old='os.system(f"python {py_file}")',
-        new='os.system(f\'"{__import__(\'sys\').executable}" "{py_file}"\')',
+        new="os.system(f'\"{__import__(\"sys\").executable}\" \"{py_file}\"')",
         why="its kernel-instantiation generator runs `python`, which may be absent or another Python",
     ),
 )
@@ -507,6 +507,20 @@ class Installer:
             s.status, s.detail = "installed", f"{s.seconds:.0f} s"
         print(f"== {s.kernel}: {s.status} {s.detail}", flush=True)
 
+    def roll_back_unusable(self, steps: list[Step], rows: list[dict]) -> None:
+        """A wheel that installed but whose backends cannot run here (built for another torch) is removed."""
+        by_name = {r["backend"]: r for r in rows}
+        for s in steps:
+            if s.action != "wheel" or s.status != "installed" or s.kernel not in KERNELS:
+                continue
+            names = KERNELS[s.kernel].backends
+            mine = [by_name[n] for n in names if n in by_name]
+            if mine and not any(r["status"] == "ok" for r in mine):
+                dist = KERNELS[s.kernel].pip_name.split("==")[0]
+                subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", dist], capture_output=True)
+                why = mine[0]["detail"]
+                s.status, s.detail = "removed", f"installed but cannot run here ({why}); uninstalled"
+
     def build(self, s: Step, log: Path, position=0) -> int:
         work = Path(tempfile.mkdtemp(prefix=f"pa-build-{s.kernel}-"))
         src = fetch_source(s.source, work / "src", log)
@@ -567,7 +581,7 @@ def _progress(name: str, quiet: bool, position: int = 0):
     except ImportError:
         return lambda line: None
     bar = tqdm(desc=name, unit="step", leave=True, dynamic_ncols=True, position=position, mininterval=2)
-    pat = re.compile(r"^\[(\d+)/(\d+)\]")
+    pat = re.compile(r"^\s*\[(\d+)/(\d+)\]")
 
     def feed(line):
         if line is None:
@@ -668,6 +682,7 @@ def main(argv=None) -> int:
     inst = Installer(m, Path(a.log_dir), pip_extra=pip_extra, quiet=a.json)
     inst.run_all(todo)
     rows = [] if a.no_verify else verify()
+    inst.roll_back_unusable(todo, rows)
     failed = [s for s in todo if s.status != "installed"]
     if a.json:
         print(json.dumps({"plan": [_step_json(s) for s in steps], "verify": rows}, indent=1, default=str))

@@ -27,6 +27,7 @@ class Kernel:
     note: str = ""
     needs_toolkit: bool = False
     arch_families: tuple[tuple[int, int], ...] = field(default_factory=tuple)
+    backends: tuple[str, ...] = ()  # registry names this package provides
 
     def runs_on(self, cc: tuple[int, int]) -> bool:
         if self.min_cc is not None and tuple(cc) < self.min_cc:
@@ -54,6 +55,7 @@ KERNELS: dict[str, Kernel] = {
     for k in (
         Kernel(
             key="sageattention",
+            backends=("sage", "sage_triton", "sage_fp16_cuda", "sage_fp8_cuda", "sage_fp8_cuda_fp16acc", "sage_fp8_sm90"),
             import_name="sageattention",
             pip_name="sageattention",
             min_cc=(8, 0),
@@ -64,6 +66,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="sageattention1",
+            backends=("sage1_triton",),
             import_name="sageattention",
             pip_name="sageattention==1.0.6",
             min_cc=(7, 5),
@@ -72,6 +75,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="sageattn3",
+            backends=("sage3",),
             import_name="sageattn3",
             pip_name="sageattn3",
             min_cc=(10, 0),
@@ -82,6 +86,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="spas_sage_attn",
+            backends=("sparge", "sparge_topk", "sparge_sage1"),
             import_name="spas_sage_attn",
             pip_name="spas_sage_attn",
             min_cc=(8, 0),
@@ -93,6 +98,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="flash_attn",
+            backends=("flash_attn2",),
             import_name="flash_attn",
             pip_name="flash-attn",
             min_cc=(8, 0),
@@ -101,6 +107,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="flash_attn3",
+            backends=("flash_attn3",),
             import_name="flash_attn_interface",
             pip_name="flash_attn_3",
             arch_families=((9, 0),),
@@ -109,6 +116,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="flash_attn4",
+            backends=("flash_attn4",),
             import_name="flash_attn.cute",
             pip_name="flash-attn-4",
             arch_families=((9, 0), (10, 0), (10, 3)),
@@ -117,6 +125,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="xformers",
+            backends=("xformers",),
             import_name="xformers",
             pip_name="xformers",
             min_cc=(5, 0),
@@ -125,6 +134,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="comfy_kitchen",
+            backends=("kitchen_int8",),
             import_name="comfy_kitchen",
             pip_name="comfy-kitchen",
             min_cc=(7, 5),

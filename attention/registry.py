@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 from .constraints import CallSpec, Constraint, plan
 
@@ -83,6 +83,9 @@ class Registry:
             raise ValueError(f"backend {backend.name!r}: layouts must be from {LAYOUTS}, got {backend.layouts}")
         self._backends[backend.name] = backend
         return backend
+
+    def unregister(self, name: str) -> None:
+        self._backends.pop(name, None)
 
     def get(self, name: str) -> Backend:
         try:

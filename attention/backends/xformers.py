@@ -5,7 +5,23 @@ from __future__ import annotations
 import torch
 
 from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, SameHeadDimV
-from ..registry import REGISTRY, Backend, import_probe
+from ..registry import REGISTRY, Availability, Backend, import_probe
+
+
+def _probe():
+    av = import_probe("xformers.ops", attr="memory_efficient_attention")()
+    if not av.ok:
+        return av
+    import xformers
+
+    if not getattr(xformers, "_has_cpp_library", True):
+        from xformers import _cpp_lib
+
+        exc = _cpp_lib._cpp_library_load_exception
+        info = getattr(exc, "build_info", None)
+        built = f" (built for torch {info.torch_version}, this is torch {torch.__version__})" if info else ""
+        return Availability(False, f"xformers {av.version} cannot load its CUDA kernels{built}")
+    return av
 
 
 def _bias(mask: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
@@ -42,7 +58,7 @@ REGISTRY.register(
             SameHeadDimV(),
         ),
         layouts=("NHD",),
-        probe=import_probe("xformers.ops", attr="memory_efficient_attention"),
+        probe=_probe,
         description="xformers memory_efficient_attention",
     )
 )

@@ -1,0 +1,84 @@
+import contextlib
+import logging
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if ROOT not in sys.path:
+    sys.path.insert(0, ROOT)
+
+from attention import REGISTRY, Backend  # noqa: E402
+from attention import dispatch as _dispatch  # noqa: E402
+
+
+def sdpa_ref(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False):
+    """fp32 SDPA on ComfyUI's layouts: the reference every backend is compared to."""
+    if skip_reshape:
+        qh, kh, vh = q.float(), k.float(), v.float()
+    else:
+        b = q.shape[0]
+        qh, kh, vh = (t.float().view(b, t.shape[1], heads, -1).transpose(1, 2) for t in (q, k, v))
+    if mask is not None:
+        while mask.ndim < 4:
+            mask = mask.unsqueeze(0 if mask.ndim == 2 else 1)
+        if mask.dtype != torch.bool:
+            mask = mask.float()
+    kw = {"enable_gqa": True} if kh.shape[1] != qh.shape[1] else {}
+    o = torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, **kw)
+    if skip_output_reshape:
+        return o
+    return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
+
+
+def cos_rel(a, b):
+    a, b = a.float().flatten(), b.float().flatten()
+    cos = torch.nn.functional.cosine_similarity(a, b, dim=0).item()
+    rel = ((a - b).abs().sum() / b.abs().sum()).item()
+    return cos, rel
+
+
+@pytest.fixture
+def temp_backend():
+    """Register CPU test backends for one test; removed afterwards with every cache."""
+    added = []
+
+    def add(backend: Backend):
+        REGISTRY.register(backend)
+        added.append(backend.name)
+        _dispatch.clear_plan_cache()
+        return backend
+
+    yield add
+    for n in added:
+        REGISTRY.unregister(n)
+    _dispatch.clear_plan_cache()
+    _dispatch.reset_warnings()
+
+
+@pytest.fixture(autouse=True)
+def _fresh_warnings():
+    _dispatch.reset_warnings()
+    yield
+
+
+@contextlib.contextmanager
+def capture(logger="patch_attention"):
+    records = []
+
+    class H(logging.Handler):
+        def emit(self, r):
+            records.append(r)
+
+    h = H(level=logging.DEBUG)
+    lg = logging.getLogger(logger)
+    lg.addHandler(h)
+    old = lg.level
+    lg.setLevel(logging.DEBUG)
+    try:
+        yield records
+    finally:
+        lg.removeHandler(h)
+        lg.setLevel(old)
