@@ -1,0 +1,159 @@
+"""Per-layer SpargeAttn thresholds: the profile file a tuning run writes and Patch Attention reads.
+
+A *layer* is the i-th attention call within one forward of the diffusion model
+(Flux: 19 double + 38 single blocks = layers 0-56; an SD UNet counts self- and
+cross-attention in execution order).  A layer without an entry uses the
+per-model thresholds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from dataclasses import dataclass, field
+
+from .backends.sparge import BOUNDS, DEFAULTS, TOPK_DEFAULTS, check_options
+
+FORMAT = "patch_attention.sparge_profile/1"
+VARIANTS = ("sparge", "sparge_topk", "sparge_sage1")
+THRESHOLDS = ("simthreshd1", "cdfthreshd", "pvthreshd", "topk")
+
+
+class ProfileMismatchError(ValueError):
+    pass
+
+
+def fingerprint_state_dict(sd) -> str:
+    """Architecture + weights, cheaply: every key, shape and dtype, plus a few values of a few tensors."""
+    h = hashlib.sha256()
+    keys = sorted(sd)
+    for k in keys:
+        t = sd[k]
+        h.update(f"{k}:{tuple(getattr(t, 'shape', ()))}:{getattr(t, 'dtype', '')};".encode())
+    for k in keys[:: max(1, len(keys) // 8)][:8]:
+        t = sd[k]
+        try:
+            vals = t.flatten()[:64].float().cpu().tolist()
+            h.update(json.dumps([round(v, 6) for v in vals]).encode())
+        except Exception:
+            continue
+    return h.hexdigest()[:16]
+
+
+@dataclass
+class SpargeProfile:
+    variant: str = "sparge"
+    model_fingerprint: str = ""
+    model_class: str = ""
+    error_metric: str = "rel_l1"
+    error_budget: float = 0.05
+    layers: dict = field(default_factory=dict)  # int -> {"simthreshd1":..., ..., "sparsity":..., "rel_l1":...}
+    notes: str = ""
+
+    def __post_init__(self):
+        if self.variant not in VARIANTS:
+            raise ValueError(f"unknown SpargeAttn variant {self.variant!r}; known: {', '.join(VARIANTS)}")
+        self.layers = {int(k): dict(v) for k, v in self.layers.items()}
+        for i, entry in self.layers.items():
+            check_options({k: v for k, v in entry.items() if k in THRESHOLDS})
+            if i < 0:
+                raise ValueError(f"layer index {i} < 0")
+
+    def thresholds(self, layer: int) -> dict | None:
+        e = self.layers.get(layer)
+        if e is None:
+            return None
+        return {k: v for k, v in e.items() if k in THRESHOLDS}
+
+    def to_json(self) -> dict:
+        return {
+            "format": FORMAT,
+            "variant": self.variant,
+            "model": {"fingerprint": self.model_fingerprint, "class": self.model_class},
+            "error_budget": {"metric": self.error_metric, "max": self.error_budget},
+            "layers": {str(k): v for k, v in sorted(self.layers.items())},
+            "notes": self.notes,
+        }
+
+    def save(self, path: str) -> None:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        tmp = path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(self.to_json(), f, indent=1)
+        os.replace(tmp, path)
+
+    @classmethod
+    def from_json(cls, d: dict) -> SpargeProfile:
+        if d.get("format") != FORMAT:
+            raise ValueError(f"not a SpargeAttn profile (format {d.get('format')!r}, expected {FORMAT!r})")
+        return cls(
+            variant=d.get("variant", "sparge"),
+            model_fingerprint=d.get("model", {}).get("fingerprint", ""),
+            model_class=d.get("model", {}).get("class", ""),
+            error_metric=d.get("error_budget", {}).get("metric", "rel_l1"),
+            error_budget=float(d.get("error_budget", {}).get("max", 0.05)),
+            layers=d.get("layers", {}),
+            notes=d.get("notes", ""),
+        )
+
+    @classmethod
+    def load(cls, path: str) -> SpargeProfile:
+        try:
+            with open(path) as f:
+                return cls.from_json(json.load(f))
+        except FileNotFoundError:
+            raise FileNotFoundError(f"SpargeAttn profile not found: {path}") from None
+        except json.JSONDecodeError as e:
+            raise ValueError(f"SpargeAttn profile {path} is not valid JSON: {e}") from None
+
+    def check_model(self, fingerprint: str, model_class: str = "") -> None:
+        if self.model_fingerprint and fingerprint and self.model_fingerprint != fingerprint:
+            raise ProfileMismatchError(
+                f"this SpargeAttn profile was tuned for another model ({self.model_class or '?'} "
+                f"{self.model_fingerprint}); this model is {model_class or '?'} {fingerprint}. "
+                "Tune a profile for this model or leave the profile input empty."
+            )
+
+
+def default_options(variant: str) -> dict:
+    return dict(TOPK_DEFAULTS if variant == "sparge_topk" else DEFAULTS)
+
+
+# ---------------------------------------------------------------- threshold search
+
+def search_layer(error_fn, budget: float, variant: str = "sparge", grid=None):
+    """Pick the thresholds with the highest sparsity whose error stays within ``budget``.
+
+    ``error_fn(thresholds) -> (error, sparsity)`` runs the layer's real attention
+    against dense attention.  The search walks ``cdfthreshd`` (or ``topk``) from
+    conservative to aggressive for each ``simthreshd1`` and stops a walk at the
+    first candidate over budget (sparsity only grows along it); returns
+    ``(thresholds, error, sparsity, tried)`` or ``None`` when even the most
+    conservative candidate misses the budget.
+    """
+    if grid is None:
+        grid = default_grid(variant)
+    best = None
+    tried = 0
+    for sim in grid["simthreshd1"]:
+        for val in grid["walk"]:
+            th = {"simthreshd1": sim, grid["walk_key"]: val, "pvthreshd": grid["pvthreshd"]}
+            err, sp = error_fn(th)
+            tried += 1
+            if not math.isfinite(err) or err > budget:
+                break
+            if best is None or sp > best[2] or (sp == best[2] and err < best[1]):
+                best = (th, err, sp)
+    return None if best is None else (*best, tried)
+
+
+def default_grid(variant: str) -> dict:
+    if variant == "sparge_topk":
+        return {"simthreshd1": (-0.1, 0.3, 0.6), "walk_key": "topk", "walk": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), "pvthreshd": 50}
+    return {"simthreshd1": (0.3, 0.5, 0.6, 0.7), "walk_key": "cdfthreshd", "walk": (0.999, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9),
+            "pvthreshd": 50}
+
+
+__all__ = ["SpargeProfile", "ProfileMismatchError", "fingerprint_state_dict", "search_layer", "BOUNDS"]

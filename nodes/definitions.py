@@ -1,0 +1,203 @@
+"""The nodes, declared once as data; ``v1.py`` and ``v3.py`` turn them into ComfyUI node classes."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from ..attention import REGISTRY, environment, report_rows
+from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS
+from ..attention.backends.sparge import BOUNDS, DEFAULTS
+from ..attention.sparge_profile import VARIANTS, SpargeProfile, default_options, fingerprint_state_dict
+from .patch import patch_model
+
+CATEGORY = "model_patches/attention"
+SPARGE_TYPE = "SPARGE_SETTINGS"
+
+
+@dataclass
+class In:
+    name: str
+    kind: str  # MODEL, COMBO, BOOLEAN, FLOAT, INT, STRING, or a custom type name
+    default: object = None
+    tooltip: str = ""
+    optional: bool = False
+    options: list = field(default_factory=list)
+    min: float | None = None
+    max: float | None = None
+    step: float | None = None
+    multiline: bool = False
+
+
+@dataclass
+class Node:
+    node_id: str
+    display_name: str
+    description: str
+    inputs: list
+    outputs: list  # [(kind, name)]
+    fn: Callable
+    output_node: bool = False
+    category: str = CATEGORY
+
+
+def backend_choices() -> list[str]:
+    return ["auto", "disabled", *REGISTRY.names()]
+
+
+BACKEND_TOOLTIP = (
+    "auto: time every backend that can run on this GPU on the model's real shapes and keep the fastest "
+    "that matches SDPA's accuracy (remembered per GPU and kernel versions). disabled: remove an earlier patch. "
+    "Other entries force one kernel; calls it cannot take (head dim, mask, dtype, GPU) go to SDPA and are counted. "
+    "See the Attention Backends Info node for what is installed."
+)
+
+
+# ---------------------------------------------------------------- Patch Attention
+
+def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0, dense_layers="", log_stats=False,
+              sparge_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1):
+    if sparge_settings is not None and sparge_settings.profile is not None:
+        fp = fingerprint_state_dict(model.model.diffusion_model.state_dict())
+        sparge_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
+    m = patch_model(
+        model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
+        dense_layers=dense_layers, log_stats=log_stats, sparge=sparge_settings, auto_retune=auto_retune,
+        auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1,
+    )
+    return (m,)
+
+
+PATCH = Node(
+    node_id="PatchAttention",
+    display_name="Patch Attention",
+    description="Returns a clone of the model whose attention runs on the chosen kernel. The input model is untouched.",
+    inputs=[
+        In("model", "MODEL"),
+        In("backend", "COMBO", "auto", BACKEND_TOOLTIP, options=backend_choices()),
+        In("fallback", "BOOLEAN", True, "On: a call the backend cannot take runs on the next capable backend (ending at SDPA), "
+           "counted and logged once. Off: such a call stops the run with the reason."),
+        In("start_percent", "FLOAT", 0.0, "Use the chosen backend from this fraction of the sampling schedule on; dense SDPA before.",
+           min=0.0, max=1.0, step=0.01),
+        In("end_percent", "FLOAT", 1.0, "Use the chosen backend until this fraction of the schedule; dense SDPA after.",
+           min=0.0, max=1.0, step=0.01),
+        In("dense_layers", "STRING", "", "Attention layers kept on dense SDPA, by index within one model forward: "
+           "'0-3, 10, 50-'. Flux: 0-18 double blocks, 19-56 single blocks.", ),
+        In("log_stats", "BOOLEAN", False, "After each sampling run, log calls, fallbacks and GPU time per backend."),
+        In("sparge_settings", SPARGE_TYPE, None, "SpargeAttn thresholds (and a per-layer profile) from a SpargeAttn Settings node.",
+           optional=True),
+        In("auto_retune", "BOOLEAN", False, "auto: measure again instead of using remembered decisions.", optional=True),
+        In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: a backend must reach this cosine similarity to SDPA on the real call.",
+           optional=True, min=0.9, max=1.0, step=0.0005),
+        In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: and stay within this relative L1 error.",
+           optional=True, min=0.0, max=1.0, step=0.005),
+    ],
+    outputs=[("MODEL", "model")],
+    fn=run_patch,
+)
+
+
+# ---------------------------------------------------------------- SpargeAttn Settings
+
+@dataclass
+class SpargeSettings:
+    variant: str
+    options: dict
+    profile: SpargeProfile | None = None
+
+    def layer_options(self, layer, call):
+        if self.profile is None:
+            return None
+        return self.profile.thresholds(layer)
+
+    def __deepcopy__(self, memo):
+        return self
+
+
+def resolve_profile_path(path: str) -> str:
+    if os.path.isabs(path) or os.path.exists(path):
+        return path
+    try:
+        import folder_paths
+
+        return os.path.join(folder_paths.models_dir, "sparge_profiles", path)
+    except Exception:
+        return path
+
+
+def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, profile=""):
+    opts = default_options(variant)
+    opts.update({"simthreshd1": simthreshd1, "pvthreshd": pvthreshd})
+    if variant == "sparge_topk":
+        opts["topk"] = topk
+    else:
+        opts["cdfthreshd"] = cdfthreshd
+    prof = None
+    if profile and profile.strip():
+        prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
+        if prof.variant != variant:
+            raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {variant}")
+    return (SpargeSettings(variant, opts, prof),)
+
+
+SPARGE = Node(
+    node_id="SpargeAttnSettings",
+    display_name="SpargeAttn Settings",
+    description="Thresholds for the SpargeAttn backends of Patch Attention, per model, optionally per layer from a profile.",
+    inputs=[
+        In("variant", "COMBO", "sparge", "sparge: SpargeAttn on SageAttention2; sparge_topk: keep the top-k blocks; "
+           "sparge_sage1: on SageAttention1 kernels.", options=list(VARIANTS)),
+        In("simthreshd1", "FLOAT", DEFAULTS["simthreshd1"], "Block self-similarity above which a block may be skipped "
+           "(higher: fewer skipped, more accurate).", min=BOUNDS["simthreshd1"][0], max=BOUNDS["simthreshd1"][1], step=0.01),
+        In("cdfthreshd", "FLOAT", DEFAULTS["cdfthreshd"], "Share of attention mass kept per row (lower: sparser, faster, less accurate).",
+           min=BOUNDS["cdfthreshd"][0], max=BOUNDS["cdfthreshd"][1], step=0.001),
+        In("pvthreshd", "FLOAT", float(DEFAULTS["pvthreshd"]), "PV-stage skip threshold (higher: fewer skipped).",
+           min=BOUNDS["pvthreshd"][0], max=1000.0, step=1.0),
+        In("topk", "FLOAT", 0.5, "sparge_topk only: fraction of key blocks kept per query block.", optional=True,
+           min=0.0, max=1.0, step=0.01),
+        In("profile", "STRING", "", "Optional per-layer profile JSON (a path, or a file name in models/sparge_profiles). "
+           "Layers without an entry use the thresholds above.", optional=True),
+    ],
+    outputs=[(SPARGE_TYPE, "sparge_settings")],
+    fn=run_sparge_settings,
+)
+
+
+# ---------------------------------------------------------------- Attention Backends Info
+
+def info_text() -> str:
+    env = environment()
+    lines = [f"torch {env['torch']} (CUDA {env['cuda'] or '-'}{', ROCm ' + env['hip'] if env['hip'] else ''}), Python {env['python']}"]
+    if env["gpus"]:
+        for g in env["gpus"]:
+            lines.append(f"GPU {g['index']}: {g['name']} — compute capability {g['cc']} ({g['arch']})")
+    else:
+        lines.append("no CUDA GPU: only PyTorch SDPA can run here")
+    lines.append("")
+    for r in report_rows():
+        mark = "yes" if r["usable"] else ("installed" if r["installed"] else "no")
+        ver = f" {r['version']}" if r["version"] else ""
+        why = f" — {r['why_not']}" if r["why_not"] else ""
+        lines.append(f"[{mark:>9}] {r['backend']}{ver}{why}")
+    lines.append("")
+    lines.append("'installed' means the package imports but cannot run a typical call here (reason given). "
+                 "Run install.py in this folder (python install.py --dry-run shows its plan) to add what this GPU can run.")
+    return "\n".join(lines)
+
+
+def run_info():
+    return (info_text(),)
+
+
+INFO = Node(
+    node_id="AttentionBackendsInfo",
+    display_name="Attention Backends Info",
+    description="What attention kernels are installed, what this GPU is, and why a backend cannot run here.",
+    inputs=[],
+    outputs=[("STRING", "report")],
+    fn=run_info,
+    output_node=True,
+)
+
+NODES = [PATCH, SPARGE, INFO]

@@ -1,0 +1,247 @@
+"""The attention override a patched model carries, and the function that patches a model.
+
+ComfyUI (v0.3.64+) wraps every attention function with ``wrap_attn``: when a
+model's ``transformer_options`` holds ``optimized_attention_override`` it is
+called as ``override(func, q, k, v, heads, mask=None, ..., transformer_options=...)``.
+:class:`AttentionOverride` is that callable.  It knows nothing of kernels; it
+reads the sampling state (current sigma, which attention layer of the forward
+this is) and hands the call to ``attention.dispatch``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+
+from ..attention import AttentionConfig, AutoSelector, attention
+from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
+
+log = logging.getLogger("patch_attention.nodes")
+
+OVERRIDE_KEY = "optimized_attention_override"
+WRAPPER_KEY = "patch_attention"
+
+
+class HookMissingError(RuntimeError):
+    pass
+
+
+def check_hook() -> None:
+    """Raise a clear error on a ComfyUI too old to have the attention override hook."""
+    try:
+        import comfy.ldm.modules.attention as comfy_attention
+    except Exception as e:  # pragma: no cover - only outside ComfyUI
+        raise HookMissingError(f"ComfyUI's attention module could not be imported: {e}") from e
+    if not hasattr(comfy_attention, "wrap_attn"):
+        try:
+            from comfyui_version import __version__ as v
+        except Exception:
+            v = "unknown"
+        raise HookMissingError(
+            f"This ComfyUI (version {v}) has no attention override hook "
+            "(transformer_options['optimized_attention_override'], added in v0.3.64). "
+            "Update ComfyUI to use Patch Attention; nothing was patched."
+        )
+
+
+_RANGE = re.compile(r"^\s*(\d+)?\s*(-)?\s*(\d+)?\s*$")
+
+
+def parse_layers(text: str) -> tuple[tuple[int, int | None], ...]:
+    """``"0-3, 7, 40-"`` -> ((0, 3), (7, 7), (40, None)); empty -> (). ValueError names a bad part."""
+    out = []
+    for part in filter(None, (p.strip() for p in (text or "").replace(";", ",").split(","))):
+        m = _RANGE.match(part)
+        if not m or (m.group(1) is None and m.group(3) is None):
+            raise ValueError(f"dense_layers: cannot read {part!r}; use indices and ranges like '0-3, 7, 40-'")
+        lo = int(m.group(1)) if m.group(1) is not None else 0
+        hi = (int(m.group(3)) if m.group(3) is not None else None) if m.group(2) else lo
+        if hi is not None and hi < lo:
+            raise ValueError(f"dense_layers: range {part!r} ends before it starts")
+        out.append((lo, hi))
+    return tuple(out)
+
+
+def in_ranges(i: int, ranges) -> bool:
+    return any(lo <= i and (hi is None or i <= hi) for lo, hi in ranges)
+
+
+def _bind(args, kwargs):
+    """ComfyUI's attention signature: (q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
+    skip_output_reshape=False, **kwargs)."""
+    names = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+    bound = dict(zip(names, args))
+    rest = dict(kwargs)
+    for n in names:
+        if n in rest:
+            bound[n] = rest.pop(n)
+    return bound, rest
+
+
+class AttentionOverride:
+    """What a patched clone stores in ``transformer_options['optimized_attention_override']``.
+
+    Shared (not copied) when ComfyUI deep-copies model options, so statistics and
+    ``auto`` decisions survive ``ModelPatcher.clone()`` and sampling.
+    """
+
+    def __init__(self, config: AttentionConfig, *, sigma_range=None, dense_layers=(), layer_options=None,
+                 log_stats=False):
+        self.config = config
+        self.dense = AttentionConfig(backend="sdpa", stats=config.stats)
+        self.sigma_range = sigma_range  # (sigma_start, sigma_end): fast backend while end <= sigma <= start
+        self.dense_layers = tuple(dense_layers)
+        self.layer_options = layer_options  # callable(layer index, spec-ish dict) -> options or None
+        self.log_stats = log_stats
+        self.layer = 0  # attention call index within the current model forward
+        self.calls_dense = 0
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+    def start_forward(self) -> None:
+        self.layer = 0
+
+    def _active(self, transformer_options) -> bool:
+        if self.sigma_range is None or not transformer_options:
+            return True
+        sig = transformer_options.get("sigmas")
+        if sig is None:
+            return True
+        try:
+            s = float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
+        except Exception:
+            return True
+        hi, lo = self.sigma_range
+        return lo <= s <= hi
+
+    def __call__(self, func, *args, **kwargs):
+        a, rest = _bind(args, kwargs)
+        topts = rest.get("transformer_options") or {}
+        layer = self.layer
+        self.layer += 1
+        dense = (self.dense_layers and in_ranges(layer, self.dense_layers)) or not self._active(topts)
+        cfg = self.dense if dense else self.config
+        if dense:
+            self.calls_dense += 1
+        options = None
+        if not dense and self.layer_options is not None:
+            options = self.layer_options(layer, a)
+        return attention(
+            a["q"], a["k"], a["v"], a["heads"], a.get("mask"),
+            skip_reshape=bool(a.get("skip_reshape", False)),
+            skip_output_reshape=bool(a.get("skip_output_reshape", False)),
+            config=cfg, options=options,
+        )
+
+
+class _ForwardWrapper:
+    """APPLY_MODEL wrapper: one model forward begins (layer counter back to 0)."""
+
+    def __init__(self, override):
+        self.override = override
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, executor, *args, **kwargs):
+        self.override.start_forward()
+        return executor(*args, **kwargs)
+
+
+class _SampleWrapper:
+    """OUTER_SAMPLE wrapper: statistics per sampling run, logged at its end when asked."""
+
+    def __init__(self, override):
+        self.override = override
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, executor, *args, **kwargs):
+        ov = self.override
+        ov.config.stats.reset()
+        ov.calls_dense = 0
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            if ov.log_stats:
+                log.info("Patch Attention (%s): %s", ov.config.backend, ov.config.stats.summary())
+
+
+def auto_cache_path() -> str:
+    try:
+        import folder_paths
+
+        return os.path.join(folder_paths.get_user_directory(), "patch_attention", "auto.json")
+    except Exception:
+        return default_cache_path()
+
+
+def patch_model(
+    model,
+    backend: str = "auto",
+    *,
+    fallback: bool = True,
+    start_percent: float = 0.0,
+    end_percent: float = 1.0,
+    dense_layers: str = "",
+    log_stats: bool = False,
+    sparge=None,
+    auto_retune: bool = False,
+    auto_min_cos: float = DEFAULT_MIN_COS,
+    auto_max_rel_l1: float = DEFAULT_MAX_REL_L1,
+    record_time: bool | None = None,
+):
+    """Return a clone of ``model`` (a ComfyUI ModelPatcher) whose attention goes to ``backend``.
+
+    ``backend="disabled"`` returns a clone with any earlier override removed.
+    """
+    check_hook()
+    import comfy.patcher_extension as pe
+
+    m = model.clone()
+    topts = m.model_options.setdefault("transformer_options", {})
+    if backend == "disabled":
+        topts.pop(OVERRIDE_KEY, None)
+        for kind in (pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.OUTER_SAMPLE):
+            m.remove_wrappers_with_key(kind, WRAPPER_KEY)
+        return m
+    if not 0.0 <= start_percent <= end_percent <= 1.0:
+        raise ValueError(f"need 0 <= start_percent <= end_percent <= 1, got {start_percent}, {end_percent}")
+    ranges = parse_layers(dense_layers)
+    options = {}
+    layer_options = None
+    if sparge is not None:
+        options[sparge.variant] = sparge.options
+        layer_options = sparge.layer_options
+    auto = None
+    if backend == "auto":
+        auto = AutoSelector(cache_path=auto_cache_path(), retune=auto_retune, min_cos=auto_min_cos, max_rel_l1=auto_max_rel_l1)
+    cfg = AttentionConfig(
+        backend=backend,
+        allow_fallback=fallback,
+        options=options,
+        record_time=log_stats if record_time is None else record_time,
+        auto=auto,
+    )
+    sigma_range = None
+    if start_percent > 0.0 or end_percent < 1.0:
+        ms = m.get_model_object("model_sampling")
+        sigma_range = (float(ms.percent_to_sigma(start_percent)), float(ms.percent_to_sigma(end_percent)))
+    ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats)
+    topts[OVERRIDE_KEY] = ov
+    m.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
+    m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, _ForwardWrapper(ov))
+    m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _SampleWrapper(ov))
+    return m
+
+
+def override_of(model) -> AttentionOverride | None:
+    ov = model.model_options.get("transformer_options", {}).get(OVERRIDE_KEY)
+    return ov if isinstance(ov, AttentionOverride) else None

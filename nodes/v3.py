@@ -1,0 +1,68 @@
+"""The same nodes through ComfyUI's V3 schema (``comfy_api.latest``), where it exists."""
+
+from __future__ import annotations
+
+from comfy_api.latest import ComfyExtension, io, ui
+
+from .definitions import NODES, Node
+
+
+def _input(i):
+    common = {"optional": i.optional, "tooltip": i.tooltip or None}
+    if i.kind == "MODEL":
+        return io.Model.Input(i.name, **common)
+    if i.kind == "COMBO":
+        return io.Combo.Input(i.name, options=list(i.options), default=i.default, **common)
+    if i.kind == "BOOLEAN":
+        return io.Boolean.Input(i.name, default=i.default, **common)
+    if i.kind == "FLOAT":
+        return io.Float.Input(i.name, default=i.default, min=i.min, max=i.max, step=i.step, **common)
+    if i.kind == "INT":
+        return io.Int.Input(i.name, default=i.default, min=i.min, max=i.max, step=i.step, **common)
+    if i.kind == "STRING":
+        return io.String.Input(i.name, default=i.default, multiline=i.multiline, **common)
+    return io.Custom(i.kind).Input(i.name, **common)
+
+
+def _output(kind, name):
+    if kind == "MODEL":
+        return io.Model.Output(display_name=name)
+    if kind == "STRING":
+        return io.String.Output(display_name=name)
+    return io.Custom(kind).Output(display_name=name)
+
+
+def make_class(node: Node):
+    def define_schema(cls):
+        return io.Schema(
+            node_id=node.node_id,
+            display_name=node.display_name,
+            category=node.category,
+            description=node.description,
+            inputs=[_input(i) for i in node.inputs],
+            outputs=[_output(k, n) for k, n in node.outputs],
+            is_output_node=node.output_node,
+        )
+
+    def execute(cls, **kwargs):
+        result = node.fn(**kwargs)
+        if node.output_node and node.outputs and node.outputs[0][0] == "STRING":
+            return io.NodeOutput(*result, ui=ui.PreviewText(result[0]))
+        return io.NodeOutput(*result)
+
+    return type(node.node_id, (io.ComfyNode,), {
+        "define_schema": classmethod(define_schema),
+        "execute": classmethod(execute),
+    })
+
+
+NODE_LIST = [make_class(n) for n in NODES]
+
+
+class PatchAttentionExtension(ComfyExtension):
+    async def get_node_list(self):
+        return list(NODE_LIST)
+
+
+async def comfy_entrypoint() -> ComfyExtension:
+    return PatchAttentionExtension()

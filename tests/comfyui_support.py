@@ -1,0 +1,140 @@
+"""Find and import a real ComfyUI for the integration tiers; build tiny models from its own classes."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def find_comfyui() -> str | None:
+    """COMFYUI_PATH, else the ComfyUI this pack is cloned into (``ComfyUI/custom_nodes/<pack>``)."""
+    env = os.environ.get("COMFYUI_PATH")
+    if env:
+        return env if os.path.exists(os.path.join(env, "comfy")) else None
+    parent = os.path.dirname(ROOT)
+    if os.path.basename(parent) == "custom_nodes":
+        base = os.path.dirname(parent)
+        if os.path.exists(os.path.join(base, "comfy")) and os.path.exists(os.path.join(base, "main.py")):
+            return base
+    return None
+
+
+_state = {}
+
+
+def comfy():
+    """Import ComfyUI (CPU mode) once, or skip the test with the reason."""
+    if "error" in _state:
+        pytest.skip(_state["error"])
+    if "path" in _state:
+        return _state["path"]
+    path = find_comfyui()
+    if path is None:
+        _state["error"] = ("no ComfyUI found: set COMFYUI_PATH to a ComfyUI checkout (v0.3.64+) whose requirements are "
+                           "installed in this Python, or clone this pack into ComfyUI/custom_nodes")
+        pytest.skip(_state["error"])
+    # ComfyUI's top-level modules (nodes, comfy, folder_paths) must win over this pack's own `nodes/` package.
+    if path in sys.path:
+        sys.path.remove(path)
+    sys.path.insert(0, path)
+    if "nodes" in sys.modules and not getattr(sys.modules["nodes"], "__file__", "").startswith(path):
+        del sys.modules["nodes"]
+    try:
+        from comfy.cli_args import args
+
+        args.cpu = True
+        import comfy.model_management  # noqa: F401
+        import comfy.sample  # noqa: F401
+        import nodes  # noqa: F401
+    except ImportError as e:
+        _state["error"] = f"ComfyUI at {path} does not import in this Python ({e}); pip install -r {path}/requirements.txt"
+        pytest.skip(_state["error"])
+    _state["path"] = path
+    return path
+
+
+def load_pack():
+    """Load this pack through ComfyUI's own loader; returns (module, node class mappings)."""
+    comfy()
+    import nodes
+
+    if "pack" not in _state:
+        ok = asyncio.run(nodes.load_custom_node(ROOT))
+        assert ok, "ComfyUI's load_custom_node refused the pack"
+        _state["pack"] = sys.modules[ROOT.replace(".", "_x_")]
+    return _state["pack"], nodes.NODE_CLASS_MAPPINGS
+
+
+def _init(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.05)
+
+
+def patcher(model):
+    import comfy.model_patcher
+
+    cpu = torch.device("cpu")
+    return comfy.model_patcher.ModelPatcher(model, load_device=cpu, offload_device=cpu)
+
+
+FLUX_CFG = dict(image_model="flux", in_channels=16, out_channels=16, vec_in_dim=32, context_in_dim=32, hidden_size=64,
+                mlp_ratio=2.0, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10000, patch_size=2,
+                qkv_bias=True, guidance_embed=False)
+
+SD_CFG = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True, "legacy": False,
+          "adm_in_channels": None, "in_channels": 4, "model_channels": 320, "num_res_blocks": [1, 1], "transformer_depth": [1, 1],
+          "transformer_depth_output": [1, 1, 1, 1], "channel_mult": [1, 2], "transformer_depth_middle": 1,
+          "use_linear_in_transformer": False, "context_dim": 32, "num_heads": 8, "num_head_channels": -1,
+          "use_temporal_attention": False, "use_temporal_resblock": False}
+
+
+def tiny_flux(dtype=torch.float32):
+    """A 2-layer Flux built from ComfyUI's own classes (head dim 32), random weights."""
+    import comfy.supported_models as sm
+
+    mc = sm.Flux(dict(FLUX_CFG))
+    mc.set_inference_dtype(dtype, None)
+    model = mc.get_model({}, device="cpu")
+    _init(model)
+    return patcher(model)
+
+
+def tiny_sd(dtype=torch.float32):
+    """An SD1.5-style UNet from ComfyUI's classes with head dims 40 and 80 (as SD1.5 has), random weights."""
+    import comfy.supported_models as sm
+
+    mc = sm.SD15(dict(SD_CFG))
+    mc.set_inference_dtype(dtype, None)
+    model = mc.get_model({}, device="cpu")
+    _init(model, 1)
+    return patcher(model)
+
+
+def flux_conds(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    pos = [[torch.randn(1, 8, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]
+    neg = [[torch.zeros(1, 8, 32), {"pooled_output": torch.zeros(1, 32)}]]
+    return pos, neg
+
+
+def sd_conds(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [[torch.randn(1, 77, 32, generator=g), {}]], [[torch.zeros(1, 77, 32), {}]]
+
+
+def sample(model, kind="flux", steps=4, cfg=1.0, seed=1):
+    import comfy.sample
+
+    ch = 16 if kind == "flux" else 4
+    latent = torch.zeros(1, ch, 16, 16)
+    noise = torch.randn(1, ch, 16, 16, generator=torch.Generator().manual_seed(seed))
+    pos, neg = flux_conds() if kind == "flux" else sd_conds()
+    return comfy.sample.sample(model, noise, steps, cfg, "euler", "simple", pos, neg, latent, disable_pbar=True)

@@ -1,0 +1,190 @@
+"""Against a real ComfyUI: the pack loads through ComfyUI's loader, and patched models sample correctly.
+
+Skipped (with the reason) when no ComfyUI is found; see README for COMFYUI_PATH.
+"""
+
+import logging
+
+import pytest
+import torch
+from comfyui_support import load_pack, sample, tiny_flux, tiny_sd
+
+pytestmark = pytest.mark.comfyui
+
+
+@pytest.fixture(scope="module")
+def pack():
+    return load_pack()
+
+
+def run_node(mappings, node_id, **kwargs):
+    cls = mappings[node_id]
+    if hasattr(cls, "execute"):  # V3
+        out = cls.execute(**kwargs)
+        return out.result
+    return getattr(cls(), cls.FUNCTION)(**kwargs)
+
+
+def patch(mappings, model, backend, **kw):
+    args = dict(model=model, backend=backend, fallback=True, start_percent=0.0, end_percent=1.0, dense_layers="", log_stats=False)
+    args.update(kw)
+    return run_node(mappings, "PatchAttention", **args)[0]
+
+
+def stats_of(pack_mod, model):
+    ov = pack_mod.nodes.patch.override_of(model)
+    assert ov is not None, "the clone carries no Patch Attention override"
+    return ov.config.stats
+
+
+def rel(a, b):
+    return ((a - b).abs().sum() / b.abs().sum()).item()
+
+
+def test_pack_loads_through_comfyui_loader(pack):
+    mod, mappings = pack
+    for node_id in ("PatchAttention", "SpargeAttnSettings", "AttentionBackendsInfo"):
+        assert node_id in mappings
+    import nodes
+
+    assert nodes.NODE_DISPLAY_NAME_MAPPINGS["PatchAttention"] == "Patch Attention"
+    # V3 schema where comfy_api exists: the backend combo lists auto, disabled and every registry backend
+    cls = mappings["PatchAttention"]
+    info = cls.GET_SCHEMA() if hasattr(cls, "GET_SCHEMA") else None
+    if info is not None:
+        combo = next(i for i in info.inputs if i.id == "backend")
+        assert combo.options[:2] == ["auto", "disabled"] and "sage_fp8_sm90" in combo.options and "sdpa" in combo.options
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "sage", "auto"])
+def test_patched_flux_samples_like_the_unpatched_model(pack, backend):
+    mod, mappings = pack
+    base = tiny_flux()
+    ref = sample(base)
+    patched = patch(mappings, base, backend)
+    out = sample(patched)
+    assert torch.isfinite(out).all()
+    assert rel(out, ref) < 1e-4
+    st = stats_of(mod, patched)
+    assert st.total_calls == 8  # 2 attention layers x 4 steps, all through the override
+    if backend == "sage":  # not installed on CPU: counted fallback to SDPA, same result
+        assert st.calls == {"sdpa": 8} and any(f == "sage" for f, _, _ in st.fallbacks)
+
+
+def test_sd_unet_head_dims_40_and_80_with_padding(pack):
+    mod, mappings = pack
+    reg = mod.attention.REGISTRY
+    from importlib import import_module
+
+    constraints = import_module(mod.attention.__name__ + ".constraints")
+    seen = []
+
+    def fn(q, k, v, *, layout, mask, scale, opts):
+        seen.append(q.shape[-1])
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+
+    be = mod.attention.Backend(name="t_pad_cpu", family="test", fn=fn, constraints=(constraints.HeadDims(dims=(64, 96, 128)),),
+                               probe=lambda: mod.attention.Availability(True, version="t"))
+    reg.register(be)
+    try:
+        base = tiny_sd()
+        ref = sample(base, "sd", steps=2, cfg=2.0)
+        out = sample(patch(mappings, base, "t_pad_cpu"), "sd", steps=2, cfg=2.0)
+        assert set(seen) == {64, 96}  # 40 -> 64, 80 -> 96
+        assert rel(out, ref) < 1e-4
+    finally:
+        reg.unregister("t_pad_cpu")
+
+
+def test_clone_rule_input_model_and_other_clones_untouched(pack):
+    mod, mappings = pack
+    base = tiny_flux()
+    before = dict(base.model_options.get("transformer_options", {}))
+    a = patch(mappings, base, "sdpa")
+    b = patch(mappings, base, "sdpa_math")
+    assert base.model_options.get("transformer_options", {}) == before
+    assert "optimized_attention_override" not in base.model_options.get("transformer_options", {})
+    sample(a)
+    sample(b)
+    sample(base)
+    assert stats_of(mod, a).calls == {"sdpa": 8}
+    assert stats_of(mod, b).calls == {"sdpa_math": 8}
+    # re-patching a patched model replaces its backend; "disabled" removes it
+    c = patch(mappings, a, "sdpa_math")
+    sample(c)
+    assert stats_of(mod, c).calls == {"sdpa_math": 8} and stats_of(mod, a).calls == {"sdpa": 8}
+    d = patch(mappings, a, "disabled")
+    assert mod.nodes.patch.override_of(d) is None and mod.nodes.patch.override_of(a) is not None
+
+
+def test_step_schedule_in_real_sampling(pack):
+    mod, mappings = pack
+    base = tiny_flux()
+    m = patch(mappings, base, "sdpa_math", start_percent=0.0, end_percent=0.5)
+    ref = sample(base, steps=4)
+    out = sample(m, steps=4)
+    st = stats_of(mod, m)
+    assert st.calls["sdpa_math"] > 0 and st.calls["sdpa"] > 0  # fast backend early, dense SDPA late
+    assert st.calls["sdpa_math"] + st.calls["sdpa"] == 8
+    assert st.calls["sdpa_math"] < 8
+    assert rel(out, ref) < 1e-4
+    late = patch(mappings, base, "sdpa_math", start_percent=0.5, end_percent=1.0)
+    sample(late, steps=4)
+    st2 = stats_of(mod, late)
+    assert st2.calls["sdpa_math"] + st2.calls["sdpa"] == 8
+    assert st2.calls["sdpa_math"] == 8 - st.calls["sdpa_math"] or st2.calls["sdpa_math"] > 0
+
+
+def test_block_filter_in_real_sampling(pack):
+    mod, mappings = pack
+    base = tiny_flux()
+    m = patch(mappings, base, "sdpa_math", dense_layers="0")
+    sample(m, steps=3)
+    st = stats_of(mod, m)
+    assert st.calls == {"sdpa_math": 3, "sdpa": 3}  # layer 0 (the double block) dense in every step
+    with pytest.raises(ValueError, match="cannot read 'x'"):
+        patch(mappings, base, "sdpa_math", dense_layers="x")
+
+
+def test_log_stats_after_sampling(pack, caplog):
+    mod, mappings = pack
+    m = patch(mappings, tiny_flux(), "sdpa_math", log_stats=True)
+    with caplog.at_level(logging.INFO, logger="patch_attention.nodes"):
+        sample(m, steps=2)
+    text = "\n".join(r.getMessage() for r in caplog.records if r.name == "patch_attention.nodes")
+    assert "Patch Attention (sdpa_math)" in text and "sdpa_math" in text and "4 calls" in text and " ms" in text
+
+
+def test_fallback_off_stops_with_the_reason(pack):
+    mod, mappings = pack
+    m = patch(mappings, tiny_flux(), "sparge", fallback=False)
+    with pytest.raises(Exception, match="cannot take .*fallback is off"):
+        sample(m, steps=1)
+
+
+def test_old_comfyui_without_the_hook_is_told_so(pack, monkeypatch):
+    mod, mappings = pack
+    import comfy.ldm.modules.attention as ca
+
+    monkeypatch.delattr(ca, "wrap_attn")
+    with pytest.raises(RuntimeError, match="no attention override hook.*Update ComfyUI"):
+        patch(mappings, tiny_flux(), "sdpa")
+
+
+def test_info_node_reports_backends(pack):
+    mod, mappings = pack
+    (text,) = run_node(mappings, "AttentionBackendsInfo")
+    assert "sdpa" in text and "sage_fp8_sm90" in text
+    if not torch.cuda.is_available():
+        assert "no CUDA GPU" in text
+
+
+def test_sparge_settings_node_feeds_patch(pack, tmp_path):
+    mod, mappings = pack
+    (settings,) = run_node(mappings, "SpargeAttnSettings", variant="sparge", simthreshd1=0.5, cdfthreshd=0.97, pvthreshd=20.0)
+    assert settings.options == {"simthreshd1": 0.5, "cdfthreshd": 0.97, "pvthreshd": 20.0}
+    m = patch(mappings, tiny_flux(), "sparge", sparge_settings=settings)
+    assert mod.nodes.patch.override_of(m).config.options["sparge"]["cdfthreshd"] == 0.97
+    with pytest.raises(FileNotFoundError, match="profile not found"):
+        run_node(mappings, "SpargeAttnSettings", variant="sparge", simthreshd1=0.5, cdfthreshd=0.97, pvthreshd=20.0,
+                 profile=str(tmp_path / "missing.json"))
