@@ -1,0 +1,121 @@
+"""Top tier: ComfyUI's server on 127.0.0.1 (CPU) with this pack installed runs an API workflow using Patch Attention."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+
+import pytest
+from comfyui_support import FLUX_CFG, ROOT, comfy
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.server]
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def get(url, timeout=5):
+    with urllib.request.urlopen(url, timeout=timeout) as r:
+        return json.loads(r.read())
+
+
+def post(url, data):
+    req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    path = comfy()
+    base = tmp_path_factory.mktemp("comfy_base")
+    (base / "custom_nodes").mkdir()
+    os.symlink(ROOT, base / "custom_nodes" / "ComfyUI-PatchAttention")
+    os.symlink(os.path.join(ROOT, "tests", "fixture_nodes"), base / "custom_nodes" / "pa_test_fixtures")
+    models = base / "models" / "diffusion_models"
+    models.mkdir(parents=True)
+    # a tiny random-weight Flux written to the temp models folder
+    from comfyui_support import tiny_flux
+    from safetensors.torch import save_file
+
+    sd = {k: v.contiguous() for k, v in tiny_flux().model.diffusion_model.state_dict().items()}
+    save_file(sd, str(models / "tiny_flux.safetensors"), metadata={"flux_config": json.dumps(FLUX_CFG)})
+    port = free_port()
+    log = open(base / "server.log", "w")
+    proc = subprocess.Popen(
+        [sys.executable, "main.py", "--cpu", "--listen", "127.0.0.1", "--port", str(port), "--base-directory", str(base),
+         "--disable-auto-launch"],
+        cwd=path, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        if proc.poll() is not None:
+            pytest.fail("ComfyUI exited during start:\n" + (base / "server.log").read_text()[-3000:])
+        try:
+            get(url + "/object_info/PatchAttention", timeout=2)
+            break
+        except Exception:
+            time.sleep(0.5)
+    else:
+        proc.kill()
+        pytest.fail("ComfyUI did not answer within 120 s:\n" + (base / "server.log").read_text()[-3000:])
+    yield url, base
+    proc.terminate()
+    try:
+        proc.wait(20)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+def test_object_info_lists_the_nodes(server):
+    url, _ = server
+    info = get(url + "/object_info/PatchAttention")["PatchAttention"]
+    assert info["display_name"] == "Patch Attention"
+    spec = info["input"]["required"]["backend"]
+    options = spec[0] if isinstance(spec[0], list) else spec[1]["options"]  # classic or V3 combo
+    assert options[:2] == ["auto", "disabled"] and "sage_fp8_sm90" in options
+    assert "AttentionBackendsInfo" in get(url + "/object_info/AttentionBackendsInfo")
+    templates = get(url + "/api/workflow_templates")
+    assert set(templates.get("ComfyUI-PatchAttention", [])) >= {"flux_patch_attention", "sd15_patch_attention", "sdxl_patch_attention"}
+
+
+def test_prompt_with_patch_attention_succeeds(server):
+    url, base = server
+    prompt = {
+        "1": {"class_type": "PATestTinyFluxLoader", "inputs": {"unet_name": "tiny_flux.safetensors"}},
+        "2": {"class_type": "PatchAttention", "inputs": {"model": ["1", 0], "backend": "sdpa_math", "fallback": True,
+                                                         "start_percent": 0.0, "end_percent": 1.0, "dense_layers": "",
+                                                         "log_stats": True}},
+        "3": {"class_type": "PATestConditioning", "inputs": {"seed": 1, "tokens": 8, "context_dim": 32, "pooled_dim": 32}},
+        "4": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}},
+        "5": {"class_type": "KSampler", "inputs": {"model": ["2", 0], "seed": 3, "steps": 3, "cfg": 1.0, "sampler_name": "euler",
+                                                   "scheduler": "simple", "positive": ["3", 0], "negative": ["3", 0],
+                                                   "latent_image": ["4", 0], "denoise": 1.0}},
+        "6": {"class_type": "SaveLatent", "inputs": {"samples": ["5", 0], "filename_prefix": "pa_test"}},
+        "7": {"class_type": "AttentionBackendsInfo", "inputs": {}},
+    }
+    pid = post(url + "/prompt", {"prompt": prompt, "client_id": "pa-test"})["prompt_id"]
+    deadline = time.time() + 120
+    while time.time() < deadline:
+        hist = get(url + f"/history/{pid}")
+        if pid in hist and hist[pid].get("status", {}).get("completed"):
+            break
+        if pid in hist and hist[pid].get("status", {}).get("status_str") == "error":
+            pytest.fail(json.dumps(hist[pid]["status"], indent=1)[-3000:])
+        time.sleep(0.5)
+    else:
+        pytest.fail("prompt did not finish in 120 s:\n" + (base / "server.log").read_text()[-3000:])
+    entry = hist[pid]
+    assert entry["status"]["status_str"] == "success"
+    assert "sdpa" in entry["outputs"]["7"]["text"][0]
+    assert list((base / "output").rglob("pa_test*.latent"))
+    log = (base / "server.log").read_text()
+    assert "Patch Attention (sdpa_math)" in log and "sdpa_math" in log and "6 calls" in log

@@ -1,0 +1,106 @@
+"""The node layer's contract, without ComfyUI: definitions, classic mappings, parsing, the override callable."""
+
+import pytest
+import torch
+from pack import load
+
+P = load()
+defs = P.nodes.definitions
+patch = P.nodes.patch
+v1 = P.nodes.v1
+
+
+def test_pack_exports_nodes_under_any_folder_name():
+    # without comfy_api the classic mappings are exported; with it, only comfy_entrypoint
+    if P.nodes.comfy_entrypoint is None:
+        assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "AttentionBackendsInfo"}
+    else:
+        assert callable(P.comfy_entrypoint)
+
+
+def test_classic_input_types_follow_the_definitions():
+    cls = v1.NODE_CLASS_MAPPINGS["PatchAttention"]
+    it = cls.INPUT_TYPES()
+    assert list(it["required"]) == ["model", "backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats"]
+    assert set(it["optional"]) == {"sparge_settings", "auto_retune", "auto_min_cos", "auto_max_rel_l1"}
+    choices, opts = it["required"]["backend"]
+    assert choices[:2] == ["auto", "disabled"] and "sdpa" in choices and "kitchen_int8" in choices
+    assert opts["default"] == "auto" and "time every backend" in opts["tooltip"]
+    assert it["required"]["start_percent"] == ("FLOAT", {"default": 0.0, "tooltip": it["required"]["start_percent"][1]["tooltip"],
+                                                         "min": 0.0, "max": 1.0, "step": 0.01})
+    assert cls.RETURN_TYPES == ("MODEL",) and cls.FUNCTION == "run" and cls.CATEGORY.startswith("model_patches")
+    assert v1.NODE_CLASS_MAPPINGS["AttentionBackendsInfo"].OUTPUT_NODE is True
+    assert v1.NODE_DISPLAY_NAME_MAPPINGS["SpargeAttnSettings"] == "SpargeAttn Settings"
+    for node in defs.NODES:
+        for i in node.inputs:
+            if i.kind not in ("MODEL", defs.SPARGE_TYPE):
+                assert i.tooltip, f"{node.node_id}.{i.name} has no tooltip"
+
+
+def test_info_node_output_is_shown_in_the_ui():
+    out = v1.NODE_CLASS_MAPPINGS["AttentionBackendsInfo"]().run()
+    assert out["ui"]["text"][0] == out["result"][0]
+    assert "sdpa" in out["result"][0] and "install.py" in out["result"][0]
+
+
+@pytest.mark.parametrize(
+    "text, ranges",
+    [("", ()), ("3", ((3, 3),)), ("0-3, 7, 40-", ((0, 3), (7, 7), (40, None))), ("-5", ((0, 5),)), (" 1 - 2 ; 9", ((1, 2), (9, 9)))],
+)
+def test_parse_layers(text, ranges):
+    assert patch.parse_layers(text) == ranges
+
+
+@pytest.mark.parametrize("bad, msg", [("a", "cannot read 'a'"), ("5-2", "ends before it starts"), ("1,,x", "cannot read 'x'")])
+def test_parse_layers_errors(bad, msg):
+    with pytest.raises(ValueError, match=msg):
+        patch.parse_layers(bad)
+
+
+def _cfg(backend="sdpa_math"):
+    return P.attention.AttentionConfig(backend=backend)
+
+
+def test_override_binds_comfyui_arguments_and_counts_layers():
+    ov = patch.AttentionOverride(_cfg(), dense_layers=patch.parse_layers("1"))
+    q = torch.randn(1, 16, 2 * 8)
+    called = []
+
+    def default_func(*a, **k):  # ComfyUI's own attention: never used by the override
+        called.append(1)
+
+    for _ in range(2):
+        ov.start_forward()
+        ov(default_func, q, q, q, 2, transformer_options={}, _inside_attn_wrapper=True)  # layer 0
+        ov(default_func, q, q, q, heads=2, mask=None, skip_reshape=False, transformer_options={})  # layer 1: dense
+        ov(default_func, q, q, q, 2, None, None, False, False, transformer_options={})  # layer 2
+    assert not called
+    assert ov.config.stats.calls == {"sdpa_math": 4, "sdpa": 2}
+
+
+def test_override_schedule_reads_sigma():
+    ov = patch.AttentionOverride(_cfg(), sigma_range=(10.0, 1.0))
+    q = torch.randn(1, 8, 8)
+    for s in (14.0, 10.0, 5.0, 1.0, 0.5):
+        ov(None, q, q, q, 1, transformer_options={"sigmas": torch.tensor([s])})
+    assert ov.config.stats.calls == {"sdpa_math": 3, "sdpa": 2}
+
+
+def test_override_survives_deepcopy_of_model_options():
+    import copy
+
+    ov = patch.AttentionOverride(_cfg())
+    opts = {"transformer_options": {"optimized_attention_override": ov}}
+    assert copy.deepcopy(opts)["transformer_options"]["optimized_attention_override"] is ov
+
+
+def test_sparge_settings_validation(tmp_path):
+    (s,) = defs.run_sparge_settings("sparge_topk", 0.3, 0.98, 50.0, topk=0.4)
+    assert s.options == {"simthreshd1": 0.3, "topk": 0.4, "pvthreshd": 50.0} and s.variant == "sparge_topk"
+    prof = P.attention.sparge_profile.SpargeProfile(variant="sparge", layers={0: {"cdfthreshd": 0.9}})
+    path = tmp_path / "p.json"
+    prof.save(str(path))
+    with pytest.raises(ValueError, match="tuned for sparge, this node selects sparge_topk"):
+        defs.run_sparge_settings("sparge_topk", 0.3, 0.98, 50.0, profile=str(path))
+    (s2,) = defs.run_sparge_settings("sparge", 0.6, 0.98, 50.0, profile=str(path))
+    assert s2.layer_options(0, None) == {"cdfthreshd": 0.9} and s2.layer_options(5, None) is None

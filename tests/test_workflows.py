@@ -1,0 +1,158 @@
+"""The example workflows: every node type and widget checked against the registered node definitions."""
+
+import glob
+import json
+import os
+
+import pytest
+from pack import load
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+UI = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
+API = sorted(glob.glob(os.path.join(ROOT, "workflows", "api", "*.json")))
+WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
+
+
+def test_there_are_sd_and_flux_workflows_in_both_formats():
+    names = {os.path.basename(p) for p in UI}
+    assert {"sd15_patch_attention.json", "sdxl_patch_attention.json", "flux_patch_attention.json"} <= names
+    assert names == {os.path.basename(p) for p in API}
+
+
+def widget_inputs(info):
+    """[(name, type, opts)] of the widget inputs, in the order ComfyUI stores widgets_values."""
+    out = []
+    for section in ("required", "optional"):
+        for name in info["input_order"].get(section, []):
+            spec = info["input"][section][name]
+            t = spec[0]
+            opts = spec[1] if len(spec) > 1 else {}
+            kind = "COMBO" if isinstance(t, list) or t == "COMBO" else t
+            if kind in WIDGET_TYPES and not opts.get("forceInput"):
+                options = t if isinstance(t, list) else opts.get("options", [])
+                out.append((name, kind, opts, options))
+    return out
+
+
+def check_value(node_type, name, kind, opts, options, value):
+    where = f"{node_type}.{name}={value!r}"
+    if kind == "COMBO":
+        if options and not name.endswith("_name") and not name.startswith("clip_name"):
+            assert value in options, f"{where} not in {options}"
+        assert isinstance(value, str), where
+    elif kind == "BOOLEAN":
+        assert isinstance(value, bool), where
+    elif kind in ("INT", "FLOAT"):
+        assert isinstance(value, (int, float)) and not isinstance(value, bool), where
+        if "min" in opts:
+            assert value >= opts["min"], where
+        if "max" in opts:
+            assert value <= opts["max"], where
+    elif kind == "STRING":
+        assert isinstance(value, str), where
+
+
+def check_ui(wf, node_info):
+    nodes = {n["id"]: n for n in wf["nodes"]}
+    for n in wf["nodes"]:
+        info = node_info(n["type"])
+        if info is None:
+            continue
+        values = list(n.get("widgets_values", []))
+        for name, kind, opts, options in widget_inputs(info):
+            assert values, f"{n['type']}: missing widget value for {name}"
+            check_value(n["type"], name, kind, opts, options, values.pop(0))
+            if opts.get("control_after_generate"):
+                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        assert not values, f"{n['type']}: {len(values)} widget values too many: {values}"
+        for i, inp in enumerate(n.get("inputs", [])):
+            all_inputs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
+            assert inp["name"] in all_inputs, f"{n['type']} has no input {inp['name']}"
+    for lid, src, slot, dst, dslot, typ in wf["links"]:
+        assert nodes[dst]["inputs"][dslot]["link"] == lid
+        assert lid in nodes[src]["outputs"][slot]["links"]
+        si, di = node_info(nodes[src]["type"]), node_info(nodes[dst]["type"])
+        if si is not None:
+            assert si["output"][slot] == typ, f"link {lid}: {nodes[src]['type']} output {slot} is {si['output'][slot]}, not {typ}"
+        if di is not None:
+            name = nodes[dst]["inputs"][dslot]["name"]
+            spec = {**di["input"].get("required", {}), **di["input"].get("optional", {})}[name]
+            assert spec[0] == typ, f"link {lid}: {nodes[dst]['type']}.{name} takes {spec[0]}, not {typ}"
+
+
+def check_api(wf, node_info):
+    for nid, node in wf.items():
+        info = node_info(node["class_type"])
+        if info is None:
+            continue
+        req, opt = info["input"].get("required", {}), info["input"].get("optional", {})
+        for name in req:
+            assert name in node["inputs"], f"{node['class_type']} is missing required input {name}"
+        widgets = {name: (kind, opts, options) for name, kind, opts, options in widget_inputs(info)}
+        for name, value in node["inputs"].items():
+            assert name in req or name in opt, f"{node['class_type']} has no input {name}"
+            if isinstance(value, list):
+                src = wf[value[0]]
+                sinfo = node_info(src["class_type"])
+                if sinfo is not None:
+                    want = (req.get(name) or opt.get(name))[0]
+                    assert sinfo["output"][value[1]] == want, f"{node['class_type']}.{name}"
+            else:
+                check_value(node["class_type"], name, *widgets[name], value)
+
+
+def own_node_info():
+    """This pack's node definitions, in ComfyUI's /object_info shape (classic mappings)."""
+    mappings = load().nodes.v1.NODE_CLASS_MAPPINGS
+
+    def info(node_type):
+        cls = mappings.get(node_type)
+        if cls is None:
+            return None
+        it = cls.INPUT_TYPES()
+        return {"input": it, "input_order": {k: list(v) for k, v in it.items()}, "output": cls.RETURN_TYPES}
+
+    return info
+
+
+@pytest.mark.parametrize("path", UI, ids=os.path.basename)
+def test_ui_workflows_against_this_packs_nodes(path):
+    wf = json.load(open(path))
+    check_ui(wf, own_node_info())
+    assert any(n["type"] == "PatchAttention" for n in wf["nodes"])
+
+
+@pytest.mark.parametrize("path", API, ids=os.path.basename)
+def test_api_workflows_against_this_packs_nodes(path):
+    wf = json.load(open(path))
+    check_api(wf, own_node_info())
+    # Patch Attention sits between the model loader and the sampler
+    patch = next(k for k, n in wf.items() if n["class_type"] == "PatchAttention")
+    sampler = next(n for n in wf.values() if n["class_type"] == "KSampler")
+    assert sampler["inputs"]["model"] == [patch, 0]
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("path", UI + API, ids=lambda p: os.path.relpath(p, ROOT))
+def test_workflows_against_comfyui_node_definitions(path):
+    import asyncio
+
+    from comfyui_support import load_pack
+
+    load_pack()
+    import nodes
+
+    if "FluxGuidance" not in nodes.NODE_CLASS_MAPPINGS:
+        asyncio.run(nodes.init_builtin_extra_nodes())
+    from comfy_api.internal import _ComfyNodeInternal
+
+    def info(node_type):
+        cls = nodes.NODE_CLASS_MAPPINGS.get(node_type)
+        assert cls is not None, f"node type {node_type} is not registered in this ComfyUI"
+        if issubclass(cls, _ComfyNodeInternal):
+            return cls.GET_NODE_INFO_V1()
+        it = cls.INPUT_TYPES()
+        return {"input": it, "input_order": {k: list(v) for k, v in it.items()}, "output": cls.RETURN_TYPES}
+
+    wf = json.load(open(path))
+    (check_api if "/api/" in path else check_ui)(wf, info)
