@@ -51,6 +51,7 @@ def comfy():
         args.cpu = True
         import comfy.model_management  # noqa: F401
         import comfy.sample  # noqa: F401
+
         import nodes  # noqa: F401
     except ImportError as e:
         _state["error"] = f"ComfyUI at {path} does not import in this Python ({e}); pip install -r {path}/requirements.txt"

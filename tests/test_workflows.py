@@ -65,7 +65,7 @@ def check_ui(wf, node_info):
             if opts.get("control_after_generate"):
                 assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
         assert not values, f"{n['type']}: {len(values)} widget values too many: {values}"
-        for i, inp in enumerate(n.get("inputs", [])):
+        for inp in n.get("inputs", []):
             all_inputs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
             assert inp["name"] in all_inputs, f"{n['type']} has no input {inp['name']}"
     for lid, src, slot, dst, dslot, typ in wf["links"]:
@@ -81,7 +81,7 @@ def check_ui(wf, node_info):
 
 
 def check_api(wf, node_info):
-    for nid, node in wf.items():
+    for node in wf.values():
         info = node_info(node["class_type"])
         if info is None:
             continue

@@ -99,7 +99,7 @@ def to_ui(graph):
         in_types = dict(IO[types[dst]][0])
         ui_links.append([lid_, src, slot, dst, [n for n, _ in IO[types[dst]][0]].index(name), in_types[name]])
     order = {nid: i for i, (nid, *_rest) in enumerate(graph)}
-    for i, (nid, typ, widgets, ins) in enumerate(graph):
+    for i, (nid, typ, widgets, _ins) in enumerate(graph):
         link_ins, widget_names, outs = IO[typ]
         values = []
         for w in widget_names:
