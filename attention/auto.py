@@ -78,24 +78,27 @@ def default_cache_path() -> str:
     return os.path.join(base, "patch_attention", "auto.json")
 
 
-def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5) -> float:
-    """Median milliseconds of ``fn`` (CUDA events on GPU, perf_counter elsewhere)."""
+def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5, rounds: int = 3) -> float:
+    """Per-call ms: median over ``rounds`` of ``reps`` back-to-back calls (CUDA events on GPU, perf_counter elsewhere)."""
     for _ in range(warmup):
         fn()
     times = []
     if device.type == "cuda":
-        for _ in range(reps):
+        torch.cuda.synchronize(device)
+        for _ in range(rounds):
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            fn()
+            for _ in range(reps):
+                fn()
             e.record()
             e.synchronize()
-            times.append(s.elapsed_time(e))
+            times.append(s.elapsed_time(e) / reps)
     else:
-        for _ in range(reps):
+        for _ in range(rounds):
             t = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - t) * 1000)
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t) * 1000 / reps)
     return statistics.median(times)
 
 

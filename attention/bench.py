@@ -40,18 +40,20 @@ PRESETS = {
 SKIP_BY_DEFAULT = {"sdpa_math"}
 
 
-def _time(fn, warmup, reps):
+def _time(fn, warmup, reps, rounds=5):
+    """Median per-call ms over ``rounds`` of ``reps`` back-to-back calls (pipelined, as inside a model forward)."""
     for _ in range(warmup):
         fn()
     torch.cuda.synchronize()
     ts = []
-    for _ in range(reps):
+    for _ in range(rounds):
         s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         s.record()
-        fn()
+        for _ in range(reps):
+            fn()
         e.record()
         e.synchronize()
-        ts.append(s.elapsed_time(e))
+        ts.append(s.elapsed_time(e) / reps)
     return statistics.median(ts)
 
 
@@ -161,8 +163,8 @@ def render_markdown(meta, rows, presets):
     names = list(dict.fromkeys(r["backend"] for r in rows))
     by = {(r["backend"], r["shape"]): r for r in rows}
     out = [
-        f"{meta['gpu']} · torch {meta['torch']} · {meta['dtype']} · {meta['date']} · median of {meta['reps']} "
-        "CUDA-event timings; speed-up = SDPA ms / backend ms, same run; accuracy vs fp32 SDPA.",
+        f"{meta['gpu']} · torch {meta['torch']} · {meta['dtype']} · {meta['date']} · per-call ms = median over 5 rounds of "
+        f"{meta['reps']} back-to-back calls (CUDA events); speed-up = SDPA ms / backend ms, same run; accuracy vs fp32 SDPA.",
         "",
         "Shapes: " + "; ".join(f"`{s}` = {presets[s][6] if s in presets else s}" for s in shapes),
         "",
