@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from .reference import reference_attention
 from .registry import REGISTRY
 
 log = logging.getLogger("patch_attention.auto")
@@ -197,13 +198,8 @@ class AutoSelector:
 
         names = self.candidates(spec)
         with torch.no_grad():
-            ref_backend = REGISTRY.get("sdpa")
-            ref_spec = spec.replace(dtype=torch.float32)
-            ref, _ = run_backend(
-                ref_backend, q4.float(), k4.float(), v4.float(), layout,
-                None if mask4 is None else (mask4 if mask4.dtype == torch.bool else mask4.float()),
-                ref_spec, ref_spec, scale, {},
-            )
+            to_hnd = (lambda t: t) if layout == "HND" else (lambda t: t.transpose(1, 2))
+            ref = to_hnd(reference_attention(to_hnd(q4), to_hnd(k4), to_hnd(v4), mask4, scale))
             report = []
             for name in names:
                 b = REGISTRY.get(name)
@@ -212,8 +208,13 @@ class AutoSelector:
                 c = Candidate(name)
                 report.append(c)
 
-                def call(b=b, target=target, opts=opts):
-                    return run_backend(b, q4, k4, v4, layout, mask4, spec, target, scale, opts)[0]
+                check = cfg.check_finite and b.quantized
+
+                def call(b=b, target=target, opts=opts, check=check):
+                    out = run_backend(b, q4, k4, v4, layout, mask4, spec, target, scale, opts)[0]
+                    if check:  # the dispatcher's NaN check is part of this backend's cost
+                        bool(torch.isfinite(out).all())
+                    return out
 
                 try:
                     out = call()

@@ -25,6 +25,7 @@ import torch
 from .auto import AutoSelector, accuracy
 from .dispatch import AttentionConfig, attention
 from .inputs import structured_qkv
+from .reference import reference_attention
 from .registry import REGISTRY
 
 # name: (B, H, Nq, D, Nk or None, token grid or None, description)
@@ -80,20 +81,22 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
     q, k, v = structured_qkv(b, h, nq, nk, d, device=dev, dtype=dtype, seed=nq + d, kind="video" if grid and len(grid) == 3 else "image", grid=grid if grid and nq == nk else None)
     # ComfyUI hands most models' attention [B, N, H*D]
     qc, kc, vc = (t.transpose(1, 2).reshape(b, t.shape[2], h * d) for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float())
-    ref = ref.transpose(1, 2).reshape(b, nq, h * d)
+    ref = reference_attention(q, k, v).transpose(1, 2).reshape(b, nq, h * d)
     out_rows = []
 
-    def row(name, fn, direct=None):
+    def row(name, fn, direct=None, unchecked=None):
         r = {"backend": name, "shape": label}
         try:
             out = fn()
             r["cos"], r["rel_l1"] = accuracy(out, ref)
             r["ms"] = _time(fn, warmup, reps)
             r["peak_mib"] = round(_peak(fn), 1)
+            if unchecked is not None:  # quantized backends: the NaN check's cost
+                r["unchecked_ms"] = _time(unchecked, warmup, reps)
             if direct is not None:
                 r["direct_ms"] = _time(direct, warmup, reps)
-                r["wrapper_pct"] = 100.0 * (r["ms"] - r["direct_ms"]) / r["direct_ms"]
+                base = r.get("unchecked_ms", r["ms"])
+                r["wrapper_pct"] = 100.0 * (base - r["direct_ms"]) / r["direct_ms"]
         except Exception as e:
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         out_rows.append(r)
@@ -128,7 +131,14 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
             if progress:
                 progress.update(1)
             continue
-        row(name, lambda cfg=cfg: attention(qc, kc, vc, h, config=cfg), direct)
+        unchecked = None
+        if backend.quantized:
+            cfg_u = AttentionConfig(backend=name, allow_fallback=False, check_finite=False)
+
+            def unchecked(cfg_u=cfg_u):
+                return attention(qc, kc, vc, h, config=cfg_u)
+
+        row(name, lambda cfg=cfg: attention(qc, kc, vc, h, config=cfg), direct, unchecked)
 
     auto_cfg = AttentionConfig(backend="auto", auto=AutoSelector(cache_path=auto_cache))
     r = row("auto", lambda: attention(qc, kc, vc, h, config=auto_cfg))
@@ -200,8 +210,14 @@ def render_markdown(meta, rows, presets):
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     wr = [r for r in rows if "wrapper_pct" in r]
     if wr:
-        out += ["", "Wrapper overhead (dispatch from ComfyUI's `[B, N, H*D]` vs calling the kernel on the same view):", ""]
-        out += [f"- {r['backend']} @ {r['shape']}: {r['direct_ms']:.3f} → {r['ms']:.3f} ms ({r['wrapper_pct']:+.1f} %)" for r in wr]
+        out += ["", "Wrapper overhead (dispatch from ComfyUI's `[B, N, H*D]`, NaN check off, vs calling the kernel on the same "
+                "view; and the NaN check's own cost for quantized kernels):", ""]
+        for r in wr:
+            line = f"- {r['backend']} @ {r['shape']}: kernel {r['direct_ms']:.3f} ms, dispatched {r.get('unchecked_ms', r['ms']):.3f} ms " \
+                   f"({r['wrapper_pct']:+.1f} %)"
+            if "unchecked_ms" in r:
+                line += f"; with NaN check {r['ms']:.3f} ms ({100.0 * (r['ms'] - r['unchecked_ms']) / r['unchecked_ms']:+.1f} %)"
+            out.append(line)
     notes = [r for r in rows if "error" in r or "refused" in r]
     if notes:
         out += ["", "Not run:", ""] + [f"- {r['backend']} @ {r['shape']}: {r.get('error') or r.get('refused')}" for r in notes]
@@ -272,10 +288,6 @@ def main(argv=None):
         except ImportError:
             progress = None
         rows = []
-        for label, shape in shapes.items():
-            rows += bench_shape(label, shape, names, dtype=dtype, warmup=a.warmup, reps=a.reps, progress=progress)
-        if progress:
-            progress.close()
         meta = {
             "gpu": torch.cuda.get_device_name(),
             "torch": torch.__version__,
@@ -284,9 +296,17 @@ def main(argv=None):
             "reps": a.reps,
             "versions": {n: REGISTRY.get(n).availability().version for n in names},
         }
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        for label, shape in shapes.items():
+            try:
+                rows += bench_shape(label, shape, names, dtype=dtype, warmup=a.warmup, reps=a.reps, progress=progress)
+            except torch.OutOfMemoryError as e:
+                rows.append({"backend": "sdpa", "shape": label, "error": f"out of memory: {str(e).splitlines()[0][:120]}"})
+                torch.cuda.empty_cache()
+            if a.json:  # after every shape, so a long run keeps what it measured
+                with open(a.json, "w") as f:
+                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        if progress:
+            progress.close()
     md = render_markdown(meta, rows, PRESETS)
     print(md)
     if a.md:

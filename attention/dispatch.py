@@ -38,6 +38,10 @@ GLOBAL_STATS = Stats()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("patch_attention_forced", default=None)
 
 
+class NonFiniteOutput(RuntimeError):
+    """A quantized kernel returned NaN/inf; the call is redone on the next backend."""
+
+
 class BackendUnavailableError(RuntimeError):
     """The chosen backend cannot take a call and fallback is off."""
 
@@ -51,6 +55,8 @@ class AttentionConfig:
     allow_fallback: ``False`` raises :class:`BackendUnavailableError` instead of falling back.
     options: per-backend options, e.g. ``{"sparge": {"cdfthreshd": 0.97}}``.
     record_time: time each call per backend (CUDA events, read lazily).
+    check_finite: check the output of quantized backends for NaN/inf (one device sync per call) and redo a
+        non-finite call on the next backend; SageAttention returns NaN when all keys of a row are equal.
     """
 
     backend: str = REFERENCE
@@ -58,6 +64,7 @@ class AttentionConfig:
     allow_fallback: bool = True
     options: dict = field(default_factory=dict)
     record_time: bool = False
+    check_finite: bool = True
     stats: Stats = field(default_factory=Stats)
     auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
 
@@ -293,6 +300,8 @@ def attention(
                     else:
                         t0 = time.perf_counter()
                 out, extras = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, scale, opts)
+                if cfg.check_finite and backend.quantized and name != REFERENCE and not bool(torch.isfinite(out).all()):
+                    raise NonFiniteOutput(f"{name} returned non-finite values (NaN/inf) for {spec.short()}")
                 if cfg.record_time:
                     if q.is_cuda:
                         t1.record()
@@ -304,7 +313,7 @@ def attention(
                     raise
                 err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 stats.count_error(name, err)
-                prev, prev_reason = name, f"raised {err}"
+                prev, prev_reason = name, ("non-finite output" if isinstance(e, NonFiniteOutput) else f"raised {err}")
                 continue
             stats.count_call(name)
             if extras:

@@ -46,6 +46,9 @@ class Backend:
     probe: Callable[[], Availability] = field(default=lambda: Availability(True))
     description: str = ""
     options: dict = field(default_factory=dict)  # default per-call options
+    # Quantized kernels can return NaN on degenerate inputs (e.g. SageAttention on all-equal keys, as a
+    # zeroed negative prompt gives); the dispatcher checks their output when config.check_finite is on.
+    quantized: bool = False
     _avail: Availability | None = field(default=None, repr=False)
 
     def availability(self) -> Availability:

@@ -68,8 +68,7 @@ class Stats:
         self.fallbacks.clear()
         self.errors.clear()
         self.metrics.clear()
-        self.decisions.clear()
-        self._cpu_time.clear()
+        self._cpu_time.clear()  # decisions stay: they describe what `auto` chose, which still holds
 
     def as_dict(self) -> dict:
         times = self.time_ms()

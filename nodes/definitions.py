@@ -57,14 +57,15 @@ BACKEND_TOOLTIP = (
 # ---------------------------------------------------------------- Patch Attention
 
 def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0, dense_layers="", log_stats=False,
-              sparge_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1):
+              sparge_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1,
+              check_finite=True):
     if sparge_settings is not None and sparge_settings.profile is not None:
         fp = fingerprint_state_dict(model.model.diffusion_model.state_dict())
         sparge_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
     m = patch_model(
         model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
         dense_layers=dense_layers, log_stats=log_stats, sparge=sparge_settings, auto_retune=auto_retune,
-        auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1,
+        auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1, check_finite=check_finite,
     )
     return (m,)
 
@@ -92,6 +93,9 @@ PATCH = Node(
            optional=True, min=0.9, max=1.0, step=0.0005),
         In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: and stay within this relative L1 error.",
            optional=True, min=0.0, max=1.0, step=0.005),
+        In("check_finite", "BOOLEAN", True, "Check quantized kernels' output for NaN/inf and redo such a call on SDPA "
+           "(SageAttention returns NaN when all keys are equal, e.g. a zeroed negative prompt). Costs one GPU sync per call.",
+           optional=True),
     ],
     outputs=[("MODEL", "model")],
     fn=run_patch,

@@ -196,6 +196,7 @@ def patch_model(
     auto_min_cos: float = DEFAULT_MIN_COS,
     auto_max_rel_l1: float = DEFAULT_MAX_REL_L1,
     record_time: bool | None = None,
+    check_finite: bool = True,
 ):
     """Return a clone of ``model`` (a ComfyUI ModelPatcher) whose attention goes to ``backend``.
 
@@ -227,6 +228,7 @@ def patch_model(
         allow_fallback=fallback,
         options=options,
         record_time=log_stats if record_time is None else record_time,
+        check_finite=check_finite,
         auto=auto,
     )
     sigma_range = None

@@ -276,3 +276,45 @@ def test_registry_answers_why_not():
             assert REGISTRY.why_not(name)  # an unavailable backend always has a reason
     with pytest.raises(ValueError, match="already registered"):
         REGISTRY.register(REGISTRY.get("sdpa"))
+
+
+def _nan_backend(name, quantized=True):
+    def fn(q, k, v, *, layout, mask, scale, opts):
+        return torch.full_like(q, float("nan"))
+
+    return Backend(name=name, family="test", fn=fn, constraints=(), probe=lambda: Availability(True, version="t"),
+                   quantized=quantized)
+
+
+def test_non_finite_output_of_a_quantized_backend_is_redone_on_sdpa(temp_backend):
+    temp_backend(_nan_backend("t_nan"))
+    cfg = AttentionConfig(backend="t_nan")
+    q = bnc(1, 16, 2, 8)
+    with capture() as logs:
+        out = attention(q, q, q, 2, config=cfg)
+        attention(q, q, q, 2, config=cfg)
+    assert torch.isfinite(out).all()
+    assert cos_rel(out, sdpa_ref(q, q, q, 2))[0] >= 0.9999
+    assert cfg.stats.calls == {"sdpa": 2}
+    assert cfg.stats.fallbacks[("t_nan", "sdpa", "non-finite output")] == 2
+    assert len([r for r in logs if r.levelname == "WARNING"]) == 1
+
+
+def test_non_finite_check_can_be_switched_off_and_strict_mode_names_it(temp_backend):
+    temp_backend(_nan_backend("t_nan2"))
+    q = bnc(1, 16, 2, 8)
+    out = attention(q, q, q, 2, config=AttentionConfig(backend="t_nan2", check_finite=False))
+    assert torch.isnan(out).all()
+    with pytest.raises(RuntimeError, match="t_nan2 returned non-finite values"):
+        attention(q, q, q, 2, config=AttentionConfig(backend="t_nan2", allow_fallback=False))
+
+
+def test_reference_attention_chunks_to_a_memory_budget():
+    from attention.reference import reference_attention
+
+    q, k, v = torch.randn(1, 2, 300, 16), torch.randn(1, 2, 120, 16), torch.randn(1, 2, 120, 16)
+    keep = torch.rand(1, 1, 300, 120) > 0.3
+    keep[..., 0] = True
+    full = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
+    chunked = reference_attention(q, k, v, keep, budget_bytes=3 * 2 * 120 * 4 * 37)  # 37-row chunks
+    assert torch.allclose(full, chunked, atol=1e-6)

@@ -79,6 +79,7 @@ def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD")):
             layouts=layouts,
             probe=probe,
             description=description,
+            quantized=True,
         )
     )
 

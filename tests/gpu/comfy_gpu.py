@@ -98,7 +98,7 @@ def main():
                 fb = "; ".join(f"{f}->{to}: {r} ({n})" for (f, to, r), n in st.fallbacks.items()) or "-"
                 lines.append(f"| {name} | {cos:.5f} | {rel:.4f} | {t:.3f} | {calls} | {fb[:200]} |")
                 if name == "auto":
-                    for sig, why in st.decisions.items() or ov.config.auto.reports.items():
+                    for sig, why in st.decisions.items():
                         lines.append(f"|  auto: {sig} | | | | {why[:300]} | |")
             except Exception as e:
                 lines.append(f"| {name} | error | | | {type(e).__name__}: {str(e)[:200]} | |")

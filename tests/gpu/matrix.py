@@ -27,6 +27,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from attention import REGISTRY, AttentionConfig, BackendUnavailableError, attention  # noqa: E402
 from attention.auto import accuracy  # noqa: E402
 from attention.inputs import structured_qkv  # noqa: E402
+from attention.reference import reference_attention  # noqa: E402
 
 HEAD_DIMS = (40, 64, 72, 80, 96, 128, 160, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
@@ -68,8 +69,7 @@ def main():
         nk = nq if kv == "self" else kv
         q, k, v = structured_qkv(b, h, nq, nk, d, device=dev, dtype=dtype, seed=d * 7 + nk)
         mask = make_mask(mk, b, nq, nk, dev, dtype)
-        ref = torch.nn.functional.scaled_dot_product_attention(
-            q.float(), k.float(), v.float(), attn_mask=None if mask is None else (mask if mask.dtype == torch.bool else mask.float()))
+        ref = reference_attention(q, k, v, mask)
         if skip:
             args = (q, k, v)
         else:

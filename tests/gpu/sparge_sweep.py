@@ -18,6 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspa
 from attention import AttentionConfig, attention  # noqa: E402
 from attention.auto import accuracy  # noqa: E402
 from attention.inputs import structured_qkv  # noqa: E402
+from attention.reference import reference_attention  # noqa: E402
 
 
 def timed(fn, reps=10, rounds=3):
@@ -47,7 +48,7 @@ def main():
     h, d = a.heads, 128
     q, k, v = structured_qkv(1, h, n, n, d, device="cuda", dtype=torch.bfloat16, seed=5, kind="video", grid=grid)
     qc, kc, vc = (t.transpose(1, 2).reshape(1, n, h * d) for t in (q, k, v))
-    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float()).transpose(1, 2).reshape(1, n, h * d)
+    ref = reference_attention(q, k, v).transpose(1, 2).reshape(1, n, h * d)
     rows = []
     base_cfg = AttentionConfig(backend="sdpa")
     sdpa_ms = timed(lambda: attention(qc, kc, vc, h, config=base_cfg))

@@ -29,7 +29,7 @@ IO = {
     "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
     "PatchAttention": ([("model", "MODEL"), ("sparge_settings", "SPARGE_SETTINGS")],
                        ["backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats",
-                        "auto_retune", "auto_min_cos", "auto_max_rel_l1"], [("model", "MODEL")]),
+                        "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite"], [("model", "MODEL")]),
     "AttentionBackendsInfo": ([], [], [("report", "STRING")]),
 }
 SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after generate" value in the UI format
@@ -37,7 +37,7 @@ SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after genera
 
 def patch_widgets(backend="auto", start=0.0, end=1.0, dense="", log_stats=True):
     return {"backend": backend, "fallback": True, "start_percent": start, "end_percent": end, "dense_layers": dense,
-            "log_stats": log_stats, "auto_retune": False, "auto_min_cos": 0.995, "auto_max_rel_l1": 0.08}
+            "log_stats": log_stats, "auto_retune": False, "auto_min_cos": 0.995, "auto_max_rel_l1": 0.08, "check_finite": True}
 
 
 def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
