@@ -221,8 +221,8 @@ def run_backend(backend: Backend, q4, k4, v4, layout, mask, spec: CallSpec, targ
     pad = target.head_dim - spec.head_dim
     if pad:
         q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    if q.stride(-1) != 1:
-        q, k, v = (t.contiguous() for t in (q, k, v))
+    # kernels need the head dim contiguous; SDPA's fused kernels too (else it drops to the O(N^2)-memory math path)
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     m = mask
     if m is not None and m.dtype != torch.bool and m.dtype != target.dtype:
         m = m.to(target.dtype)

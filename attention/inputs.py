@@ -73,4 +73,4 @@ def structured_qkv(
         k = k * sharpness
     if k_bias:
         k = k + k_bias * k.std() * torch.randn(1, h, 1, d, generator=g)
-    return tuple(t.to(device=device, dtype=dtype) for t in (q, k, v))
+    return tuple(t.to(device=device, dtype=dtype).contiguous() for t in (q, k, v))

@@ -318,3 +318,20 @@ def test_reference_attention_chunks_to_a_memory_budget():
     full = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=keep)
     chunked = reference_attention(q, k, v, keep, budget_bytes=3 * 2 * 120 * 4 * 37)  # 37-row chunks
     assert torch.allclose(full, chunked, atol=1e-6)
+
+
+@pytest.mark.parametrize("which", [0, 1, 2])
+def test_each_of_qkv_gets_a_contiguous_head_dim(temp_backend, which):
+    seen = []
+
+    def fn(q, k, v, *, layout, mask, scale, opts):
+        seen.append((q.stride(-1), k.stride(-1), v.stride(-1)))
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+    temp_backend(Backend(name=f"t_contig{which}", family="test", fn=fn, constraints=(), probe=lambda: Availability(True)))
+    b, h, n, d = 1, 2, 12, 8
+    ts = [torch.randn(b, h, n, d) for _ in range(3)]
+    ts[which] = torch.randn(b, h, d, n).transpose(2, 3)  # head dim strided, as a transposed upstream op leaves it
+    out = attention(*ts, h, skip_reshape=True, skip_output_reshape=True, config=AttentionConfig(backend=f"t_contig{which}"))
+    assert seen == [(1, 1, 1)]
+    assert cos_rel(out, sdpa_ref(*ts, h, skip_reshape=True, skip_output_reshape=True))[0] >= 0.9999
