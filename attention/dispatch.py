@@ -251,26 +251,16 @@ def attention(
     config: AttentionConfig | None = None,
     options: dict | None = None,
     scale: float | None = None,
+    tag: str | None = None,
 ) -> torch.Tensor:
     """Attention with ComfyUI's calling convention, dispatched per ``config``.
 
     ``options`` (per call) override ``config.options[backend]`` for this call only,
-    e.g. per-layer SpargeAttn thresholds.
+    e.g. per-layer SpargeAttn thresholds; ``tag`` (e.g. ``"layer7"``) files the call's
+    metrics (sparsity) under ``backend@tag`` in the stats.
     """
     cfg = config if config is not None else AttentionConfig()
-    _validate(q, k, v, heads, mask, skip_reshape)
-    if skip_reshape:
-        layout = "HND"
-        q4, k4, v4 = q, k, v
-    else:
-        layout = "NHD"
-        q4 = q.unflatten(-1, (heads, -1))
-        k4 = k.unflatten(-1, (heads, -1))
-        v4 = v.unflatten(-1, (heads, -1))
-    spec = make_spec(q4, k4, v4, layout, mask)
-    mask4 = _norm_mask(mask, spec.batch, spec.heads, spec.q_len, spec.kv_len)
-    if scale is None:
-        scale = spec.head_dim ** -0.5
+    q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape, scale)
 
     first = _forced.get() or cfg.backend
     if first == AUTO:
@@ -317,7 +307,7 @@ def attention(
                 continue
             stats.count_call(name)
             if extras:
-                stats.add_metrics(name, extras)
+                stats.add_metrics(f"{name}@{tag}" if tag else name, extras)
             break
         if not cfg.allow_fallback and name == first:
             raise BackendUnavailableError(f"attention backend {name!r} cannot take {spec.short()}: {reason} (fallback is off)")
@@ -326,6 +316,25 @@ def attention(
     if out is None:  # pragma: no cover - SDPA takes every valid call
         raise RuntimeError(f"no attention backend could take {spec.short()}")
 
+    return finish(out, layout, spec, skip_output_reshape)
+
+
+def prepare(q, k, v, heads, mask=None, skip_reshape=False, scale=None):
+    """Validate a ComfyUI-convention call; returns 4-D q/k/v views, their layout, the spec, the 4-D mask, the scale."""
+    _validate(q, k, v, heads, mask, skip_reshape)
+    if skip_reshape:
+        layout = "HND"
+        q4, k4, v4 = q, k, v
+    else:
+        layout = "NHD"
+        q4, k4, v4 = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+    spec = make_spec(q4, k4, v4, layout, mask)
+    mask4 = _norm_mask(mask, spec.batch, spec.heads, spec.q_len, spec.kv_len)
+    return q4, k4, v4, layout, spec, mask4, (spec.head_dim ** -0.5 if scale is None else scale)
+
+
+def finish(out, layout, spec, skip_output_reshape):
+    """A backend's 4-D output in ``layout`` -> what ComfyUI's attention returns."""
     if skip_output_reshape:
         return _to(out, layout, "HND")
     b, n = spec.batch, spec.q_len

@@ -10,7 +10,8 @@ from ..attention import REGISTRY, environment, report_rows
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS
 from ..attention.backends.sparge import BOUNDS, DEFAULTS
 from ..attention.sparge_profile import VARIANTS, SpargeProfile, default_options, fingerprint_state_dict
-from .patch import patch_model
+from ..attention.sparge_tune import DEFAULT_BUDGET
+from .patch import patch_model, tune_model
 
 CATEGORY = "model_patches/attention"
 SPARGE_TYPE = "SPARGE_SETTINGS"
@@ -109,6 +110,7 @@ class SpargeSettings:
     variant: str
     options: dict
     profile: SpargeProfile | None = None
+    report_error_every: int = 0
 
     def layer_options(self, layer, call):
         if self.profile is None:
@@ -130,7 +132,7 @@ def resolve_profile_path(path: str) -> str:
         return path
 
 
-def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, profile=""):
+def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, profile="", report_error_every=0):
     opts = default_options(variant)
     opts.update({"simthreshd1": simthreshd1, "pvthreshd": pvthreshd})
     if variant == "sparge_topk":
@@ -142,7 +144,7 @@ def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, p
         prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
         if prof.variant != variant:
             raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {variant}")
-    return (SpargeSettings(variant, opts, prof),)
+    return (SpargeSettings(variant, opts, prof, int(report_error_every or 0)),)
 
 
 SPARGE = Node(
@@ -162,9 +164,43 @@ SPARGE = Node(
            min=0.0, max=1.0, step=0.01),
         In("profile", "STRING", "", "Optional per-layer profile JSON (a path, or a file name in models/sparge_profiles). "
            "Layers without an entry use the thresholds above.", optional=True),
+        In("report_error_every", "INT", 0, "With Patch Attention's log_stats: per-layer sparsity, and every N-th call of a layer "
+           "also its rel-L1 error vs dense SDPA (0: sparsity only). Costs a dense call each time.", optional=True,
+           min=0, max=1000, step=1),
     ],
     outputs=[(SPARGE_TYPE, "sparge_settings")],
     fn=run_sparge_settings,
+)
+
+
+# ---------------------------------------------------------------- Tune SpargeAttn
+
+def profile_path(name: str) -> str:
+    name = name.strip() or "profile"
+    if not name.endswith(".json"):
+        name += ".json"
+    return name if os.path.isabs(name) else resolve_profile_path(name)
+
+
+def run_tune(model, variant, error_budget, profile_name):
+    return (tune_model(model, variant, error_budget, profile_path(profile_name)),)
+
+
+TUNE = Node(
+    node_id="TuneSpargeAttn",
+    display_name="Tune SpargeAttn",
+    description="Connect between the model and a KSampler and run the graph once: every attention layer's SpargeAttn thresholds "
+                "are searched against dense attention (the run itself samples dense) and a per-layer profile is written to "
+                "models/sparge_profiles. Load it with SpargeAttn Settings -> profile.",
+    inputs=[
+        In("model", "MODEL"),
+        In("variant", "COMBO", "sparge", "Which SpargeAttn kernel to tune for.", options=list(VARIANTS)),
+        In("error_budget", "FLOAT", DEFAULT_BUDGET, "Largest relative L1 error vs dense attention a layer may have at any "
+           "sampled call (SpargeAttn's own tuning criterion; its default is 0.07).", min=0.001, max=0.5, step=0.001),
+        In("profile_name", "STRING", "my_model", "File name in models/sparge_profiles (or an absolute path)."),
+    ],
+    outputs=[("MODEL", "model")],
+    fn=run_tune,
 )
 
 
@@ -204,4 +240,4 @@ INFO = Node(
     output_node=True,
 )
 
-NODES = [PATCH, SPARGE, INFO]
+NODES = [PATCH, SPARGE, TUNE, INFO]

@@ -87,8 +87,9 @@ class AttentionOverride:
     """
 
     def __init__(self, config: AttentionConfig, *, sigma_range=None, dense_layers=(), layer_options=None,
-                 log_stats=False):
+                 log_stats=False, report_error_every=0):
         self.config = config
+        self.report_error_every = report_error_every  # SpargeAttn report: error vs dense every N calls of a layer
         self.dense = AttentionConfig(backend="sdpa", stats=config.stats)
         self.sigma_range = sigma_range  # (sigma_start, sigma_end): fast backend while end <= sigma <= start
         self.dense_layers = tuple(dense_layers)
@@ -96,6 +97,7 @@ class AttentionOverride:
         self.log_stats = log_stats
         self.layer = 0  # attention call index within the current model forward
         self.calls_dense = 0
+        self._layer_calls = {}
 
     def __deepcopy__(self, memo):
         return self
@@ -131,12 +133,25 @@ class AttentionOverride:
         options = None
         if not dense and self.layer_options is not None:
             options = self.layer_options(layer, a)
-        return attention(
-            a["q"], a["k"], a["v"], a["heads"], a.get("mask"),
-            skip_reshape=bool(a.get("skip_reshape", False)),
-            skip_output_reshape=bool(a.get("skip_output_reshape", False)),
-            config=cfg, options=options,
-        )
+        sparse_report = not dense and self.log_stats and cfg.backend.startswith("sparge")
+        if sparse_report:
+            options = {**(options or {}), "collect_sparsity": True}
+        kw = dict(skip_reshape=bool(a.get("skip_reshape", False)), skip_output_reshape=bool(a.get("skip_output_reshape", False)))
+        out = attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=cfg, options=options,
+                        tag=f"layer{layer}" if sparse_report else None, **kw)
+        if sparse_report and self.report_error_every and (self.layer_calls(layer) % self.report_error_every == 0):
+            ref = attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=AttentionConfig(backend="sdpa"), **kw)
+            rel = ((out.float() - ref.float()).abs().sum() / ref.float().abs().sum().clamp_min(1e-12)).item()
+            cfg.stats.add_metrics(f"{cfg.backend}@layer{layer}", {"rel_l1_vs_dense": rel})
+        return out
+
+    def layer_calls(self, layer: int) -> int:
+        self._layer_calls[layer] = self._layer_calls.get(layer, 0) + 1
+        return self._layer_calls[layer] - 1
+
+    def end_run(self) -> None:
+        if self.log_stats:
+            log.info("Patch Attention (%s): %s", self.config.backend, self.config.stats.summary())
 
 
 class _ForwardWrapper:
@@ -166,11 +181,11 @@ class _SampleWrapper:
         ov = self.override
         ov.config.stats.reset()
         ov.calls_dense = 0
+        ov._layer_calls = {}
         try:
             return executor(*args, **kwargs)
         finally:
-            if ov.log_stats:
-                log.info("Patch Attention (%s): %s", ov.config.backend, ov.config.stats.summary())
+            ov.end_run()
 
 
 def auto_cache_path() -> str:
@@ -235,13 +250,75 @@ def patch_model(
     if start_percent > 0.0 or end_percent < 1.0:
         ms = m.get_model_object("model_sampling")
         sigma_range = (float(ms.percent_to_sigma(start_percent)), float(ms.percent_to_sigma(end_percent)))
-    ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats)
-    topts[OVERRIDE_KEY] = ov
-    m.remove_wrappers_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY)
-    m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
-    m.add_wrapper_with_key(pe.WrappersMP.APPLY_MODEL, WRAPPER_KEY, _ForwardWrapper(ov))
-    m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, _SampleWrapper(ov))
+    ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats,
+                           report_error_every=getattr(sparge, "report_error_every", 0) if sparge is not None else 0)
+    return _install(m, ov)
+
+
+def _install(m, ov):
+    import comfy.patcher_extension as pe
+
+    m.model_options.setdefault("transformer_options", {})[OVERRIDE_KEY] = ov
+    for kind, wrapper in ((pe.WrappersMP.APPLY_MODEL, _ForwardWrapper(ov)), (pe.WrappersMP.OUTER_SAMPLE, _SampleWrapper(ov))):
+        m.remove_wrappers_with_key(kind, WRAPPER_KEY)
+        m.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper)
     return m
+
+
+class TuningOverride(AttentionOverride):
+    """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end."""
+
+    def __init__(self, tuner, path: str, fingerprint: str, model_class: str):
+        super().__init__(AttentionConfig(backend="sdpa"))
+        self.tuner, self.path, self.fingerprint, self.model_class = tuner, path, fingerprint, model_class
+        self.saved = None
+        self._bar = None
+
+    def __call__(self, func, *args, **kwargs):
+        from ..attention.sparge_tune import tuning_attention
+
+        a, rest = _bind(args, kwargs)
+        layer = self.layer
+        self.layer += 1
+        if self._bar is None:
+            from tqdm import tqdm
+
+            self._bar = tqdm(desc=f"tuning {self.tuner.variant} per layer", unit="call")
+        out = tuning_attention(self.tuner, layer, a["q"], a["k"], a["v"], a["heads"], a.get("mask"),
+                               skip_reshape=bool(a.get("skip_reshape", False)),
+                               skip_output_reshape=bool(a.get("skip_output_reshape", False)), stats=self.config.stats)
+        self._bar.update(1)
+        return out
+
+    def end_run(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
+            self._bar = None
+        prof = self.tuner.profile(self.fingerprint, self.model_class,
+                                  notes=f"{self.tuner.evaluations} candidate runs over {len(self.tuner.layers)} layers")
+        prof.save(self.path)
+        self.saved = prof
+        lines = [f"SpargeAttn profile saved to {self.path}: {len(prof.layers)} of {len(self.tuner.layers)} layers tuned "
+                 f"(rel-L1 budget {prof.error_budget})"]
+        for i, e in sorted(prof.layers.items()):
+            lines.append(f"  layer {i:>3}: simthreshd1 {e.get('simthreshd1')} {('topk ' + str(e['topk'])) if 'topk' in e else 'cdfthreshd ' + str(e.get('cdfthreshd'))}"
+                         f"  sparsity {e['sparsity']:.3f}  rel-L1 {e['rel_l1']:.4f}")
+        untuned = sorted(set(self.tuner.layers) - set(prof.layers))
+        if untuned:
+            lines.append(f"  layers within no candidate's budget (per-model thresholds apply): {untuned}")
+        log.info("\n".join(lines))
+
+
+def tune_model(model, variant: str, error_budget: float, path: str):
+    """A clone whose next sampling run tunes SpargeAttn thresholds per layer and writes the profile to ``path``."""
+    check_hook()
+    from ..attention.sparge_profile import fingerprint_state_dict
+    from ..attention.sparge_tune import SpargeTuner
+
+    dm = model.model.diffusion_model
+    ov = TuningOverride(SpargeTuner(variant=variant, budget=error_budget), path, fingerprint_state_dict(dm.state_dict()),
+                        type(dm).__name__)
+    return _install(model.clone(), ov)
 
 
 def override_of(model) -> AttentionOverride | None:

@@ -3,6 +3,7 @@
 Skipped (with the reason) when no ComfyUI is found; see README for COMFYUI_PATH.
 """
 
+import json
 import logging
 
 import pytest
@@ -188,3 +189,49 @@ def test_sparge_settings_node_feeds_patch(pack, tmp_path):
     with pytest.raises(FileNotFoundError, match="profile not found"):
         run_node(mappings, "SpargeAttnSettings", variant="sparge", simthreshd1=0.5, cdfthreshd=0.97, pvthreshd=20.0,
                  profile=str(tmp_path / "missing.json"))
+
+
+def test_tune_sparge_node_writes_a_profile_that_patch_attention_loads(pack, tmp_path):
+    """Mechanics on CPU with a stand-in SpargeAttn kernel (the real one needs CUDA; its numbers come from tests/gpu)."""
+    mod, mappings = pack
+    A = mod.attention
+    constraints = __import__(A.__name__ + ".constraints", fromlist=["x"])
+
+    def fake_sparge(q, k, v, *, layout, mask, scale, opts):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return o + (1 - opts["cdfthreshd"]) * 0.3 * o.std() * torch.randn_like(o), {"sparsity": 1 - opts["cdfthreshd"]}
+
+    reg = A.REGISTRY
+    real = reg.get("sparge")
+    reg.unregister("sparge")
+    reg.register(A.Backend(name="sparge", family="sparge", fn=fake_sparge, constraints=(constraints.MinSeqLen(q=16, kv=16),),
+                           probe=lambda: A.Availability(True, version="stand-in"), quantized=True))
+    mod.attention.dispatch.clear_plan_cache()
+    try:
+        base = tiny_flux()
+        path = tmp_path / "tiny.json"
+        (tuned,) = run_node(mappings, "TuneSpargeAttn", model=base, variant="sparge", error_budget=0.02, profile_name=str(path))
+        ref = sample(base, steps=2)
+        out = sample(tuned, steps=2)
+        assert rel(out, ref) < 1e-4  # a tuning run samples dense
+        prof = json.loads(path.read_text())
+        assert set(prof["layers"]) == {"0", "1"} and prof["model"]["class"] == "Flux"
+        for e in prof["layers"].values():
+            assert e["rel_l1"] <= 0.02 and e["calls"] == 2 and e["cdfthreshd"] < 0.999
+        (settings,) = run_node(mappings, "SpargeAttnSettings", variant="sparge", simthreshd1=0.6, cdfthreshd=0.98, pvthreshd=50.0,
+                               profile=str(path), report_error_every=1)
+        m = patch(mappings, base, "sparge", sparge_settings=settings, log_stats=True)
+        sample(m, steps=2)
+        st = stats_of(mod, m).as_dict()
+        assert st["calls"] == {"sparge": 4}
+        assert "sparge@layer0.sparsity" in st["metrics"] and "sparge@layer1.rel_l1_vs_dense" in st["metrics"]
+        # another model's profile is refused with the reason
+        other = tiny_flux()
+        with torch.no_grad():
+            next(other.model.diffusion_model.parameters()).add_(1.0)
+        with pytest.raises(ValueError, match="tuned for another model"):
+            patch(mappings, other, "sparge", sparge_settings=settings)
+    finally:
+        reg.unregister("sparge")
+        reg.register(real)
+        mod.attention.dispatch.clear_plan_cache()
