@@ -41,9 +41,9 @@ def timed(fn, reps=10, rounds=3):
     return statistics.median(ts)
 
 
-def inputs(seed, locality, scale):
+def inputs(seed, locality, sharpness):
     return structured_qkv(1, H, GRID[0] * GRID[1] * GRID[2], GRID[0] * GRID[1] * GRID[2], D, device="cuda", dtype=torch.bfloat16,
-                          seed=seed, kind="video", grid=GRID, locality=locality, scale=scale)
+                          seed=seed, kind="video", grid=GRID, locality=locality, sharpness=sharpness)
 
 
 def measure(q, k, v, opts, ref):
@@ -63,21 +63,21 @@ def main():
     a = ap.parse_args()
     default = {"simthreshd1": 0.6, "cdfthreshd": 0.98, "pvthreshd": 50}
     md = [f"{torch.cuda.get_device_name()}, torch {torch.__version__}; video-like q/k/v on a {GRID} grid = "
-          f"{GRID[0] * GRID[1] * GRID[2]} tokens, {H} heads, D={D}, bf16.", "", "## Inputs: locality and smoothness vs what SpargeAttn finds (default thresholds)",
-          "", "| locality | field scale | sparsity | rel-L1 | ms | SDPA ms |", "|---|---|---|---|---|---|"]
+          f"{GRID[0] * GRID[1] * GRID[2]} tokens, {H} heads, D={D}, bf16.", "", "## Inputs: locality and sharpness vs what SpargeAttn finds (default thresholds)",
+          "", "| locality | sharpness | sparsity | rel-L1 | ms | SDPA ms |", "|---|---|---|---|---|---|"]
     data = {"calibration": [], "layers": []}
     for loc in (0.9, 0.95, 0.98):
-        for scale in (8, 16, 32):
+        for scale in (1.0, 1.5, 2.5):
             q, k, v = inputs(1, loc, scale)
             ref = reference_attention(q, k, v)
             r = measure(q, k, v, default, ref)
             sd = timed(lambda q=q, k=k, v=v: attention(q, k, v, H, skip_reshape=True, skip_output_reshape=True))
-            data["calibration"].append({"locality": loc, "scale": scale, **r, "sdpa_ms": sd})
+            data["calibration"].append({"locality": loc, "sharpness": scale, **r, "sdpa_ms": sd})
             md.append(f"| {loc} | {scale} | {r['sparsity']:.3f} | {r['rel_l1']:.4f} | {r['ms']:.2f} | {sd:.2f} |")
             print(md[-1], flush=True)
-    layers = [(0.9, 8), (0.95, 8), (0.95, 16), (0.98, 16), (0.98, 32), (0.9, 32)]
+    layers = [(0.9, 1.0), (0.95, 1.5), (0.98, 2.5), (0.95, 1.0), (0.98, 1.5), (0.9, 2.5)]
     md += ["", "## Tuned per layer (budget = that layer's default error) vs default thresholds, held-out seed", "",
-           "| layer | locality/scale | default: sparsity / rel-L1 / ms | tuned thresholds | tuned: sparsity / rel-L1 / ms | SDPA ms |",
+           "| layer | locality/sharpness | default: sparsity / rel-L1 / ms | tuned thresholds | tuned: sparsity / rel-L1 / ms | SDPA ms |",
            "|---|---|---|---|---|---|"]
     tot = {"default": 0.0, "tuned": 0.0, "sdpa": 0.0, "tuned07": 0.0}
     for i, (loc, scale) in enumerate(layers):
@@ -99,7 +99,7 @@ def main():
         tot["tuned"] += t["ms"]
         tot["tuned07"] += tuned["tuned07"][1]["ms"]
         tot["sdpa"] += sd
-        data["layers"].append({"layer": i, "locality": loc, "scale": scale, "default": d, "tuned": {"thresholds": th, **t},
+        data["layers"].append({"layer": i, "locality": loc, "sharpness": scale, "default": d, "tuned": {"thresholds": th, **t},
                                "tuned_budget_0.07": {"thresholds": tuned["tuned07"][0], **tuned["tuned07"][1]}, "sdpa_ms": sd})
         md.append(f"| {i} | {loc}/{scale} | {d['sparsity']:.3f} / {d['rel_l1']:.4f} / {d['ms']:.2f} | "
                   f"sim {th['simthreshd1']}, cdf {th['cdfthreshd']} | {t['sparsity']:.3f} / {t['rel_l1']:.4f} / {t['ms']:.2f} | {sd:.2f} |")
