@@ -55,8 +55,10 @@ class AttentionConfig:
     allow_fallback: ``False`` raises :class:`BackendUnavailableError` instead of falling back.
     options: per-backend options, e.g. ``{"sparge": {"cdfthreshd": 0.97}}``.
     record_time: time each call per backend (CUDA events, read lazily).
-    check_finite: check the output of quantized backends for NaN/inf (one device sync per call) and redo a
-        non-finite call on the next backend; SageAttention returns NaN when all keys of a row are equal.
+    check_finite: check the output of quantized backends for NaN/inf and redo a non-finite call on the next
+        backend (SageAttention returns NaN when all keys are equal, as a zeroed prompt gives).  ``True``: at once,
+        one device sync per call.  ``"deferred"``: record the check on the device and let the caller read all of a
+        model forward's checks with one sync (:meth:`take_nonfinite`) and redo that forward; the node layer does this.
     """
 
     backend: str = REFERENCE
@@ -64,9 +66,19 @@ class AttentionConfig:
     allow_fallback: bool = True
     options: dict = field(default_factory=dict)
     record_time: bool = False
-    check_finite: bool = True
+    check_finite: bool | str = True
     stats: Stats = field(default_factory=Stats)
     auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
+    _fast: dict = field(default_factory=dict, repr=False)  # exact call shape -> resolved plan (skips validation and planning)
+    _pending: list = field(default_factory=list, repr=False)  # deferred finite checks: (check_key, backend, device bool)
+
+    def take_nonfinite(self) -> list:
+        """Deferred checks since the last call: [(check_key, backend)] whose output was not finite (one sync)."""
+        pending, self._pending = self._pending, []
+        if not pending:
+            return []
+        flags = torch.stack([f for _, _, f in pending]).tolist()
+        return [(key, name) for (key, name, _), ok in zip(pending, flags) if not ok]
 
     def __post_init__(self):
         for name in (self.backend, *self.fallbacks):
@@ -252,14 +264,26 @@ def attention(
     options: dict | None = None,
     scale: float | None = None,
     tag: str | None = None,
+    check_key=None,
 ) -> torch.Tensor:
     """Attention with ComfyUI's calling convention, dispatched per ``config``.
 
     ``options`` (per call) override ``config.options[backend]`` for this call only,
     e.g. per-layer SpargeAttn thresholds; ``tag`` (e.g. ``"layer7"``) files the call's
-    metrics (sparsity) under ``backend@tag`` in the stats.
+    metrics (sparsity) under ``backend@tag`` in the stats.  ``check_key`` names the call in deferred
+    finite checks.
     """
     cfg = config if config is not None else AttentionConfig()
+    key = None
+    if options is None and tag is None and scale is None and not cfg.record_time and _forced.get() is None:
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, heads, skip_reshape,
+               None if mask is None else (mask.shape, mask.dtype, mask.device))
+        hit = cfg._fast.get(key)
+        if hit is not None:
+            out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key)
+            if out is not None:
+                return finish(out, hit[3], hit[2], skip_output_reshape)
+            cfg._fast.pop(key, None)  # it raised: the full path below handles and counts it
     q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape, scale)
 
     first = _forced.get() or cfg.backend
@@ -270,6 +294,7 @@ def attention(
 
     out = None
     prev, prev_reason = None, None
+    raised = False
     stats = cfg.stats
     for name in cfg.chain(first):
         backend = REGISTRY.get(name)
@@ -290,8 +315,7 @@ def attention(
                     else:
                         t0 = time.perf_counter()
                 out, extras = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, scale, opts)
-                if cfg.check_finite and backend.quantized and name != REFERENCE and not bool(torch.isfinite(out).all()):
-                    raise NonFiniteOutput(f"{name} returned non-finite values (NaN/inf) for {spec.short()}")
+                _check(cfg, backend, out, spec, check_key)
                 if cfg.record_time:
                     if q.is_cuda:
                         t1.record()
@@ -303,11 +327,16 @@ def attention(
                     raise
                 err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                 stats.count_error(name, err)
+                raised = True
                 prev, prev_reason = name, ("non-finite output" if isinstance(e, NonFiniteOutput) else f"raised {err}")
                 continue
             stats.count_call(name)
             if extras:
                 stats.add_metrics(f"{name}@{tag}" if tag else name, extras)
+            elif key is not None and not raised:  # a backend that raised is tried again on the next call
+                if len(cfg._fast) > 4096:
+                    cfg._fast.clear()
+                cfg._fast[key] = (backend, target, spec, layout, (prev, prev_reason) if prev else None, opts)
             break
         if not cfg.allow_fallback and name == first:
             raise BackendUnavailableError(f"attention backend {name!r} cannot take {spec.short()}: {reason} (fallback is off)")
@@ -317,6 +346,37 @@ def attention(
         raise RuntimeError(f"no attention backend could take {spec.short()}")
 
     return finish(out, layout, spec, skip_output_reshape)
+
+
+def _check(cfg, backend, out, spec, check_key):
+    if not cfg.check_finite or not backend.quantized or backend.name == REFERENCE:
+        return
+    if cfg.check_finite == "deferred":
+        cfg._pending.append((check_key, backend.name, torch.isfinite(out).all()))
+    elif not bool(torch.isfinite(out).all()):
+        raise NonFiniteOutput(f"{backend.name} returned non-finite values (NaN/inf) for {spec.short()}")
+
+
+def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key):
+    """A call shaped exactly like an earlier one: same plan, no validation or planning.  None if it raised."""
+    backend, target, spec, layout, fallback, opts = hit
+    if skip_reshape:
+        q4, k4, v4 = q, k, v
+    else:
+        q4, k4, v4 = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+    mask4 = mask
+    if mask4 is not None:
+        while mask4.ndim < 4:
+            mask4 = mask4.unsqueeze(0 if mask4.ndim == 2 else 1)
+    try:
+        out, _ = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, spec.head_dim ** -0.5, opts)
+        _check(cfg, backend, out, spec, check_key)
+    except Exception:
+        return None
+    if fallback is not None:
+        cfg.stats.count_fallback(fallback[0], backend.name, fallback[1])
+    cfg.stats.count_call(backend.name)
+    return out
 
 
 def prepare(q, k, v, heads, mask=None, skip_reshape=False, scale=None):

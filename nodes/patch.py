@@ -98,6 +98,7 @@ class AttentionOverride:
         self.layer = 0  # attention call index within the current model forward
         self.calls_dense = 0
         self._layer_calls = {}
+        self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
 
     def __deepcopy__(self, memo):
         return self
@@ -126,7 +127,8 @@ class AttentionOverride:
         topts = rest.get("transformer_options") or {}
         layer = self.layer
         self.layer += 1
-        dense = (self.dense_layers and in_ranges(layer, self.dense_layers)) or not self._active(topts)
+        dense = (self.dense_layers and in_ranges(layer, self.dense_layers)) or layer in self.nonfinite_layers \
+            or not self._active(topts)
         cfg = self.dense if dense else self.config
         if dense:
             self.calls_dense += 1
@@ -138,7 +140,7 @@ class AttentionOverride:
             options = {**(options or {}), "collect_sparsity": True}
         kw = dict(skip_reshape=bool(a.get("skip_reshape", False)), skip_output_reshape=bool(a.get("skip_output_reshape", False)))
         out = attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=cfg, options=options,
-                        tag=f"layer{layer}" if sparse_report else None, **kw)
+                        tag=f"layer{layer}" if sparse_report else None, check_key=layer, **kw)
         if sparse_report and self.report_error_every and (self.layer_calls(layer) % self.report_error_every == 0):
             ref = attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=AttentionConfig(backend="sdpa"), **kw)
             rel = ((out.float() - ref.float()).abs().sum() / ref.float().abs().sum().clamp_min(1e-12)).item()
@@ -164,8 +166,31 @@ class _ForwardWrapper:
         return self
 
     def __call__(self, executor, *args, **kwargs):
-        self.override.start_forward()
-        return executor(*args, **kwargs)
+        ov = self.override
+        ov.start_forward()
+        out = executor(*args, **kwargs)
+        bad = ov.config.take_nonfinite() if ov.config.check_finite == "deferred" else []
+        if bad:
+            # A kernel returned NaN/inf somewhere in this forward (read with one sync per forward): those layers
+            # run dense for the rest of the sampling run, and the forward is computed again.
+            for layer, name in bad:
+                ov.nonfinite_layers.add(layer)
+                ov.config.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
+                _warn_nonfinite(name, layer)
+            ov.start_forward()
+            out = executor(*args, **kwargs)
+            ov.config.take_nonfinite()
+        return out
+
+
+_warned_nonfinite = set()
+
+
+def _warn_nonfinite(name, layer):
+    if (name, layer) not in _warned_nonfinite:
+        _warned_nonfinite.add((name, layer))
+        log.warning("%s returned NaN/inf at attention layer %d (SageAttention does so when all keys are equal, "
+                    "e.g. a zeroed prompt); that layer runs on SDPA for the rest of this run", name, layer)
 
 
 class _SampleWrapper:
@@ -182,6 +207,7 @@ class _SampleWrapper:
         ov.config.stats.reset()
         ov.calls_dense = 0
         ov._layer_calls = {}
+        ov.nonfinite_layers = set()
         try:
             return executor(*args, **kwargs)
         finally:
@@ -243,7 +269,7 @@ def patch_model(
         allow_fallback=fallback,
         options=options,
         record_time=log_stats if record_time is None else record_time,
-        check_finite=check_finite,
+        check_finite="deferred" if check_finite else False,
         auto=auto,
     )
     sigma_range = None

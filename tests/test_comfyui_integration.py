@@ -235,3 +235,31 @@ def test_tune_sparge_node_writes_a_profile_that_patch_attention_loads(pack, tmp_
         reg.unregister("sparge")
         reg.register(real)
         mod.attention.dispatch.clear_plan_cache()
+
+
+def test_nan_from_a_quantized_kernel_on_a_zeroed_prompt_is_redone_dense(pack):
+    """SageAttention returns NaN when all keys are equal (a zeroed negative prompt does that to cross-attention).
+    A stand-in kernel with that behaviour: the sampled image must still equal the unpatched one."""
+    mod, mappings = pack
+    A = mod.attention
+
+    def sage_like(q, k, v, *, layout, mask, scale, opts):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        degenerate = (k.float().std(dim=2) == 0).flatten(1).all(dim=1)  # per batch element
+        return torch.where(degenerate.view(-1, 1, 1, 1), torch.full_like(o, float("nan")), o)
+
+    A.REGISTRY.register(A.Backend(name="t_sage_like", family="test", fn=sage_like, constraints=(),
+                                  probe=lambda: A.Availability(True), quantized=True))
+    try:
+        base = tiny_sd()
+        ref = sample(base, "sd", steps=2, cfg=2.0)
+        m = patch(mappings, base, "t_sage_like")
+        out = sample(m, "sd", steps=2, cfg=2.0)
+        assert torch.isfinite(out).all() and rel(out, ref) < 1e-4
+        st = stats_of(mod, m)
+        assert any(r == "non-finite output (forward redone)" for (_, _, r) in st.fallbacks)
+        assert mod.nodes.patch.override_of(m).nonfinite_layers  # the cross-attention layers went dense
+        off = patch(mappings, base, "t_sage_like", check_finite=False)
+        assert not torch.isfinite(sample(off, "sd", steps=2, cfg=2.0)).all()  # what the check prevents
+    finally:
+        A.REGISTRY.unregister("t_sage_like")

@@ -5,6 +5,20 @@ import torch
 from pack import load
 
 P = load()
+
+
+@pytest.fixture
+def temp_backend_pack():
+    added = []
+
+    def add(b):
+        P.attention.REGISTRY.register(b)
+        added.append(b.name)
+
+    yield add
+    for n in added:
+        P.attention.REGISTRY.unregister(n)
+    P.attention.dispatch.clear_plan_cache()
 defs = P.nodes.definitions
 patch = P.nodes.patch
 v1 = P.nodes.v1
@@ -104,3 +118,32 @@ def test_sparge_settings_validation(tmp_path):
         defs.run_sparge_settings("sparge_topk", 0.3, 0.98, 50.0, profile=str(path))
     (s2,) = defs.run_sparge_settings("sparge", 0.6, 0.98, 50.0, profile=str(path))
     assert s2.layer_options(0, None) == {"cdfthreshd": 0.9} and s2.layer_options(5, None) is None
+
+
+def test_nonfinite_layers_are_redone_dense_with_one_check_per_forward(temp_backend_pack):
+    A = P.attention
+
+    def nan_fn(q, k, v, *, layout, mask, scale, opts):
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return torch.full_like(o, float("nan")) if q.shape[-1] == 16 else o  # "degenerate" only at layer 1's head dim
+
+    temp_backend_pack(A.Backend(name="t_nanq", family="test", fn=nan_fn, constraints=(), probe=lambda: A.Availability(True),
+                                quantized=True))
+    cfg = A.AttentionConfig(backend="t_nanq", check_finite="deferred")
+    ov = patch.AttentionOverride(cfg)
+    wrapper = patch._ForwardWrapper(ov)
+    q8 = torch.randn(1, 32, 2 * 8)
+    q16 = torch.randn(1, 32, 2 * 16)
+    forwards = []
+
+    def forward():
+        forwards.append(1)
+        return torch.stack([ov(None, q8, q8, q8, 2, transformer_options={}), ov(None, q16, q16, q16, 2, transformer_options={}).mean()
+                            * torch.ones_like(ov(None, q8, q8, q8, 2, transformer_options={}))])
+
+    out = wrapper(lambda: forward())
+    assert torch.isfinite(out).all() and len(forwards) == 2  # redone once
+    assert ov.nonfinite_layers == {1}
+    out2 = wrapper(lambda: forward())
+    assert torch.isfinite(out2).all() and len(forwards) == 3  # later forwards: layer 1 dense, no redo
+    assert cfg.stats.fallbacks[("t_nanq", "sdpa", "non-finite output (forward redone)")] == 1
