@@ -213,7 +213,9 @@ class AutoSelector:
                 def call(b=b, target=target, opts=opts, check=check):
                     out = run_backend(b, q4, k4, v4, layout, mask4, spec, target, scale, opts)[0]
                     if check:  # the dispatcher's NaN check is part of this backend's cost
-                        bool(torch.isfinite(out).all())
+                        flag = torch.isfinite(out).all()
+                        if cfg.check_finite is True:
+                            bool(flag)  # immediate mode syncs per call
                     return out
 
                 try:
