@@ -268,3 +268,17 @@ def test_json_dry_run_is_machine_readable():
     r = subprocess.run([sys.executable, str(ROOT / "install.py"), "--dry-run", "--json"], capture_output=True, text=True, timeout=120)
     data = json.loads(r.stdout)
     assert "machine" in data and "plan" in data and data["machine"]["python"]
+
+
+def test_a_wheel_that_installs_but_cannot_run_is_removed(tmp_path, monkeypatch):
+    installer = inst.Installer(machine(), tmp_path, quiet=True)
+    calls = []
+    monkeypatch.setattr(inst.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    x = inst.Step("xformers", "wheel", "x", status="installed")
+    k = inst.Step("comfy_kitchen", "wheel", "k", status="installed")
+    rows = [{"backend": "xformers", "status": "absent", "detail": "xformers 0.0.35 cannot load its CUDA kernels (built for torch 2.10.0)"},
+            {"backend": "kitchen_int8", "status": "ok", "detail": "cos 0.99990 vs SDPA"}]
+    installer.roll_back_unusable([x, k], rows)
+    assert x.status == "removed" and "built for torch 2.10.0" in x.detail
+    assert k.status == "installed"
+    assert calls == [[sys.executable, "-m", "pip", "uninstall", "-y", "xformers"]]
