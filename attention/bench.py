@@ -17,12 +17,11 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import statistics
 import sys
 
 import torch
 
-from .auto import AutoSelector, accuracy
+from .auto import AutoSelector, accuracy, time_call
 from .dispatch import AttentionConfig, attention
 from .inputs import structured_qkv
 from .reference import reference_attention
@@ -43,19 +42,7 @@ SKIP_BY_DEFAULT = {"sdpa_math"}
 
 def _time(fn, warmup, reps, rounds=5):
     """Median per-call ms over ``rounds`` of ``reps`` back-to-back calls (pipelined, as inside a model forward)."""
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / reps)
-    return statistics.median(ts)
+    return time_call(fn, torch.device("cuda"), warmup=warmup, reps=reps, rounds=rounds)
 
 
 def _peak(fn):

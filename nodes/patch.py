@@ -151,19 +151,29 @@ class AttentionOverride:
         self._layer_calls[layer] = self._layer_calls.get(layer, 0) + 1
         return self._layer_calls[layer] - 1
 
+    def start_run(self) -> None:
+        self.config.stats.reset()
+        self.calls_dense = 0
+        self._layer_calls = {}
+        self.nonfinite_layers = set()
+
     def end_run(self) -> None:
         if self.log_stats:
             log.info("Patch Attention (%s): %s", self.config.backend, self.config.stats.summary())
 
 
-class _ForwardWrapper:
-    """APPLY_MODEL wrapper: one model forward begins (layer counter back to 0)."""
+class _Wrapper:
+    """A ModelPatcher wrapper bound to one override; shared, not copied, when model options are deep-copied."""
 
     def __init__(self, override):
         self.override = override
 
     def __deepcopy__(self, memo):
         return self
+
+
+class _ForwardWrapper(_Wrapper):
+    """APPLY_MODEL wrapper: one model forward begins (layer counter back to 0)."""
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override
@@ -193,21 +203,12 @@ def _warn_nonfinite(name, layer):
                     "e.g. a zeroed prompt); that layer runs on SDPA for the rest of this run", name, layer)
 
 
-class _SampleWrapper:
+class _SampleWrapper(_Wrapper):
     """OUTER_SAMPLE wrapper: statistics per sampling run, logged at its end when asked."""
-
-    def __init__(self, override):
-        self.override = override
-
-    def __deepcopy__(self, memo):
-        return self
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override
-        ov.config.stats.reset()
-        ov.calls_dense = 0
-        ov._layer_calls = {}
-        ov.nonfinite_layers = set()
+        ov.start_run()
         try:
             return executor(*args, **kwargs)
         finally:

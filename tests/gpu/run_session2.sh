@@ -2,16 +2,7 @@
 # GPU session 2: benchmark (+ auto), ComfyUI sampling with real kernels, SpargeAttn threshold sweep.
 # Carries: .whl (comfy-kitchen, einops/torchsde wheels), .build/kernels/kernels.tgz (SageAttention2 + SpargeAttn
 # built by install.py in session 1 on this GPU type), .build/comfyui.tgz (a ComfyUI checkout).
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
-PY=python3
-mkdir -p /tmp/kern && tar xzf .build/kernels/kernels.tgz -C /tmp/kern
-$PY -m pip install -q --no-index --no-deps --target /tmp/kern .whl/comfy_kitchen-*.whl .whl/einops-*.whl .whl/torchsde-*.whl .whl/trampoline-*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/kern
-mkdir -p /tmp/ComfyUI && tar xzf .build/comfyui.tgz -C /tmp/ComfyUI
-export COMFYUI_PATH=/tmp/ComfyUI
-$PY install.py --dry-run 2>&1 | tail -12 | tee "$OUT/install-dry-run.txt"
+source tests/gpu/env.sh
 echo "### bench"
 timeout 300 $PY -m attention.bench --json "$OUT/bench.json" --md "$OUT/bench.md" 2>&1 | grep -v "it/s\]" | tail -n 60
 echo "### comfy"

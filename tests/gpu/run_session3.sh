@@ -1,15 +1,7 @@
 #!/bin/bash
 # GPU session 3: benchmark with contiguous inputs, ComfyUI sampling (+ Tune SpargeAttn), SpargeAttn tuning vs defaults.
 # Carries the same as run_session2.sh.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
-PY=python3
-mkdir -p /tmp/kern && tar xzf .build/kernels/kernels.tgz -C /tmp/kern
-$PY -m pip install -q --no-index --no-deps --target /tmp/kern .whl/comfy_kitchen-*.whl .whl/einops-*.whl .whl/torchsde-*.whl .whl/trampoline-*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/kern
-mkdir -p /tmp/ComfyUI && tar xzf .build/comfyui.tgz -C /tmp/ComfyUI
-export COMFYUI_PATH=/tmp/ComfyUI
+source tests/gpu/env.sh
 echo "### sparge tuning"
 timeout 170 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 30
 echo "### bench"

@@ -1,13 +1,7 @@
 #!/bin/bash
 # GPU session 4: SpargeAttn tuned vs defaults on the calibrated video-like inputs, then the benchmark and the
 # correctness matrix again with the final input generator. Carries the same as run_session2.sh.
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
-PY=python3
-mkdir -p /tmp/kern && tar xzf .build/kernels/kernels.tgz -C /tmp/kern
-$PY -m pip install -q --no-index --no-deps --target /tmp/kern .whl/comfy_kitchen-*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/kern
+source tests/gpu/env.sh
 echo "### sparge tuning"
 timeout 150 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 25
 echo "### bench"

@@ -1,15 +1,7 @@
 #!/bin/bash
 # GPU session 5: image-model presets again after the dispatcher's fast path and the deferred NaN check,
 # and ComfyUI sampling with real kernels (the zeroed negative prompt makes SageAttention return NaN).
-set -u
-export PYTHONUNBUFFERED=1
-OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
-PY=python3
-mkdir -p /tmp/kern && tar xzf .build/kernels/kernels.tgz -C /tmp/kern
-$PY -m pip install -q --no-index --no-deps --target /tmp/kern .whl/comfy_kitchen-*.whl .whl/einops-*.whl .whl/torchsde-*.whl .whl/trampoline-*.whl 2>&1 | tail -2
-export PYTHONPATH=/tmp/kern
-mkdir -p /tmp/ComfyUI && tar xzf .build/comfyui.tgz -C /tmp/ComfyUI
-export COMFYUI_PATH=/tmp/ComfyUI
+source tests/gpu/env.sh
 echo "### bench"
 timeout 200 $PY -m attention.bench --preset sd15 --preset sd15-cross --preset sdxl --preset sd3 --preset flux \
   --json "$OUT/bench-image.json" --md "$OUT/bench-image.md" 2>&1 | grep -v "run/s\]" | tail -n 12

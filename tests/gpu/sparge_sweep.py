@@ -9,31 +9,19 @@ bias, so the sparsity is the kind SpargeAttn finds in real video DiTs (not i.i.d
 import argparse
 import json
 import os
-import statistics
 import sys
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 from attention import AttentionConfig, attention  # noqa: E402
-from attention.auto import accuracy  # noqa: E402
+from attention.auto import accuracy, time_call  # noqa: E402
 from attention.inputs import structured_qkv  # noqa: E402
 from attention.reference import reference_attention  # noqa: E402
 
 
 def timed(fn, reps=10, rounds=3):
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        ts.append(s.elapsed_time(e) / reps)
-    return statistics.median(ts)
+    return time_call(fn, torch.device("cuda"), warmup=1, reps=reps, rounds=rounds)
 
 
 def main():
