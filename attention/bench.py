@@ -238,6 +238,56 @@ def plot(rows, path):
     fig.savefig(path, dpi=110)
 
 
+def parse_shapes(presets, user_shapes) -> dict:
+    """Preset names (all when empty) and ``B,H,N,D[,Nk]`` strings -> {label: shape}."""
+    shapes = {p: PRESETS[p] for p in (presets or PRESETS)}
+    for s in user_shapes:
+        try:
+            parts = [int(x) for x in s.split(",")]
+        except ValueError:
+            parts = []
+        if len(parts) not in (4, 5) or min(parts) <= 0:
+            raise ValueError(f"a shape is B,H,N,D or B,H,N,D,Nk with positive integers, got {s!r}")
+        b, h, n, d = parts[:4]
+        shapes[s] = (b, h, n, d, parts[4] if len(parts) == 5 else None, None, f"user shape {s}")
+    return shapes
+
+
+def run(shapes: dict, *, backends=(), dtype="bf16", warmup=3, reps=10, json_path=None, progress=True):
+    """Benchmark ``shapes`` on this GPU; returns (meta, rows).  Used by the CLI and the Attention Benchmark node."""
+    names = _rows(set(backends), SKIP_BY_DEFAULT)
+    tdtype = torch.bfloat16 if dtype == "bf16" else torch.float16
+    bar = None
+    if progress:
+        try:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(shapes) * (len(names) + 3), desc="benchmark", unit="run")
+        except ImportError:
+            bar = None
+    meta = {
+        "gpu": torch.cuda.get_device_name(),
+        "torch": torch.__version__,
+        "dtype": dtype,
+        "date": datetime.date.today().isoformat(),
+        "reps": reps,
+        "versions": {n: REGISTRY.get(n).availability().version for n in names},
+    }
+    rows = []
+    for label, shape in shapes.items():
+        try:
+            rows += bench_shape(label, shape, names, dtype=tdtype, warmup=warmup, reps=reps, progress=bar)
+        except torch.OutOfMemoryError as e:
+            rows.append({"backend": "sdpa", "shape": label, "error": f"out of memory: {str(e).splitlines()[0][:120]}"})
+            torch.cuda.empty_cache()
+        if json_path:  # after every shape, so a long run keeps what it measured
+            with open(json_path, "w") as f:
+                json.dump({"meta": meta, "rows": rows}, f, indent=1)
+    if bar:
+        bar.close()
+    return meta, rows
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="python -m attention.bench", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
@@ -259,41 +309,12 @@ def main(argv=None):
         if not torch.cuda.is_available():
             print("no CUDA GPU: nothing to benchmark (PyTorch SDPA is what runs here)", file=sys.stderr)
             return 2
-        shapes = {p: PRESETS[p] for p in (a.preset or PRESETS)}
-        for s in a.shape:
-            parts = [int(x) for x in s.split(",")]
-            if len(parts) not in (4, 5):
-                ap.error(f"--shape wants B,H,N,D[,Nk], got {s!r}")
-            b, h, n, d = parts[:4]
-            shapes[s] = (b, h, n, d, parts[4] if len(parts) == 5 else None, None, f"user shape {s}")
-        names = _rows(set(filter(None, a.backends.split(","))), SKIP_BY_DEFAULT)
-        dtype = torch.bfloat16 if a.dtype == "bf16" else torch.float16
         try:
-            from tqdm import tqdm
-
-            progress = tqdm(total=len(shapes) * (len(names) + 3), desc="benchmark", unit="run")
-        except ImportError:
-            progress = None
-        rows = []
-        meta = {
-            "gpu": torch.cuda.get_device_name(),
-            "torch": torch.__version__,
-            "dtype": a.dtype,
-            "date": datetime.date.today().isoformat(),
-            "reps": a.reps,
-            "versions": {n: REGISTRY.get(n).availability().version for n in names},
-        }
-        for label, shape in shapes.items():
-            try:
-                rows += bench_shape(label, shape, names, dtype=dtype, warmup=a.warmup, reps=a.reps, progress=progress)
-            except torch.OutOfMemoryError as e:
-                rows.append({"backend": "sdpa", "shape": label, "error": f"out of memory: {str(e).splitlines()[0][:120]}"})
-                torch.cuda.empty_cache()
-            if a.json:  # after every shape, so a long run keeps what it measured
-                with open(a.json, "w") as f:
-                    json.dump({"meta": meta, "rows": rows}, f, indent=1)
-        if progress:
-            progress.close()
+            shapes = parse_shapes(a.preset, a.shape)
+        except ValueError as e:
+            ap.error(str(e))
+        meta, rows = run(shapes, backends=set(filter(None, a.backends.split(","))), dtype=a.dtype, warmup=a.warmup,
+                         reps=a.reps, json_path=a.json)
     md = render_markdown(meta, rows, PRESETS)
     print(md)
     if a.md:

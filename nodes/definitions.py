@@ -204,6 +204,45 @@ TUNE = Node(
 )
 
 
+# ---------------------------------------------------------------- Attention Benchmark
+
+def run_benchmark(presets, shapes="", dtype="bf16", reps=10):
+    import torch
+
+    from ..attention import bench
+
+    if not torch.cuda.is_available():
+        return ("no CUDA GPU: nothing to benchmark; PyTorch SDPA is what runs here.",)
+    wanted = [p.strip() for p in presets.split(",") if p.strip()]
+    unknown = [p for p in wanted if p not in bench.PRESETS]
+    if unknown:
+        raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(bench.PRESETS)}")
+    shape_list = [s.strip() for s in shapes.replace(";", "\n").splitlines() if s.strip()]
+    table = bench.parse_shapes(wanted if wanted else ([] if shape_list else None), shape_list)
+    if not wanted and shape_list:
+        table = {k: v for k, v in table.items() if k in shape_list}
+    meta, rows = bench.run(table, dtype=dtype, reps=reps)
+    return (bench.render_markdown(meta, rows, bench.PRESETS),)
+
+
+BENCH = Node(
+    node_id="AttentionBenchmark",
+    display_name="Attention Benchmark",
+    description="Times every attention backend usable on this GPU (and auto, and ComfyUI's default) on model shapes, "
+                "with speed-ups against SDPA from the same run and accuracy against fp32 SDPA. Takes seconds to minutes.",
+    inputs=[
+        In("presets", "STRING", "sd15,sdxl,flux", "Comma-separated presets: sd15, sd15-cross, sdxl, sd3, flux, wan-480p, "
+           "hunyuan-480p (video presets take minutes). Empty: only the shapes below."),
+        In("shapes", "STRING", "", "Your own shapes, one per line: B,H,N,D or B,H,N,D,Nk.", multiline=True),
+        In("dtype", "COMBO", "bf16", "Input dtype.", options=["bf16", "fp16"]),
+        In("reps", "INT", 10, "Back-to-back calls per timing round (5 rounds, median).", min=1, max=1000, step=1),
+    ],
+    outputs=[("STRING", "report")],
+    fn=run_benchmark,
+    output_node=True,
+)
+
+
 # ---------------------------------------------------------------- Attention Backends Info
 
 def info_text() -> str:
@@ -240,4 +279,4 @@ INFO = Node(
     output_node=True,
 )
 
-NODES = [PATCH, SPARGE, TUNE, INFO]
+NODES = [PATCH, SPARGE, TUNE, INFO, BENCH]

@@ -27,7 +27,8 @@ v1 = P.nodes.v1
 def test_pack_exports_nodes_under_any_folder_name():
     # without comfy_api the classic mappings are exported; with it, only comfy_entrypoint
     if P.nodes.comfy_entrypoint is None:
-        assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "TuneSpargeAttn", "AttentionBackendsInfo"}
+        assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "TuneSpargeAttn", "AttentionBackendsInfo",
+                                              "AttentionBenchmark"}
     else:
         assert callable(P.comfy_entrypoint)
 
@@ -147,3 +148,19 @@ def test_nonfinite_layers_are_redone_dense_with_one_check_per_forward(temp_backe
     out2 = wrapper(lambda: forward())
     assert torch.isfinite(out2).all() and len(forwards) == 3  # later forwards: layer 1 dense, no redo
     assert cfg.stats.fallbacks[("t_nanq", "sdpa", "non-finite output (forward redone)")] == 1
+
+
+def test_benchmark_node_without_a_gpu_says_so_and_checks_presets():
+    cls = v1.NODE_CLASS_MAPPINGS["AttentionBenchmark"]
+    if torch.cuda.is_available():
+        return
+    out = cls().run(presets="sd15", shapes="", dtype="bf16", reps=2)
+    assert "no CUDA GPU" in out["result"][0] and out["ui"]["text"][0] == out["result"][0]
+
+
+def test_benchmark_shapes_are_parsed_with_clear_errors():
+    bench = P.attention.bench
+    shapes = bench.parse_shapes(["flux"], ["1,2,300,64", "2,4,100,40,77"])
+    assert shapes["1,2,300,64"][:5] == (1, 2, 300, 64, None) and shapes["2,4,100,40,77"][4] == 77 and "flux" in shapes
+    with pytest.raises(ValueError, match="B,H,N,D or B,H,N,D,Nk"):
+        bench.parse_shapes([], ["1,2,3"])
