@@ -136,9 +136,10 @@ def search_layer(error_fn, budget: float, variant: str = "sparge", grid=None):
         grid = default_grid(variant)
     best = None
     tried = 0
-    for sim in grid["simthreshd1"]:
+    pvs = grid["pvthreshd"] if isinstance(grid["pvthreshd"], (tuple, list)) else (grid["pvthreshd"],)
+    for sim, pv in ((s, p) for s in grid["simthreshd1"] for p in pvs):
         for val in grid["walk"]:
-            th = {"simthreshd1": sim, grid["walk_key"]: val, "pvthreshd": grid["pvthreshd"]}
+            th = {"simthreshd1": sim, grid["walk_key"]: val, "pvthreshd": pv}
             err, sp = error_fn(th)
             tried += 1
             if not math.isfinite(err) or err > budget:

@@ -21,9 +21,10 @@ DEFAULT_BUDGET = 0.07  # rel-L1, SpargeAttn's autotune default (l1=0.07)
 
 
 def candidates(variant: str, grid=None) -> list[list[dict]]:
-    """Walks of threshold dicts, each ordered from conservative to aggressive."""
+    """Walks of threshold dicts, one per (simthreshd1, pvthreshd), each ordered from conservative to aggressive."""
     g = grid or default_grid(variant)
-    return [[{"simthreshd1": s, g["walk_key"]: w, "pvthreshd": g["pvthreshd"]} for w in g["walk"]] for s in g["simthreshd1"]]
+    pvs = g["pvthreshd"] if isinstance(g["pvthreshd"], (tuple, list)) else (g["pvthreshd"],)
+    return [[{"simthreshd1": s, g["walk_key"]: w, "pvthreshd": pv} for w in g["walk"]] for s in g["simthreshd1"] for pv in pvs]
 
 
 def _key(th: dict) -> tuple:
@@ -47,7 +48,7 @@ class SpargeTuner:
 
     variant: str = "sparge"
     budget: float = DEFAULT_BUDGET
-    grid: dict | None = None
+    grid: dict | None = None  # default_grid(variant); "pvthreshd" may be a tuple of values to search
     layers: dict = field(default_factory=lambda: defaultdict(LayerRecord))
     evaluations: int = 0
 

@@ -182,8 +182,20 @@ def profile_path(name: str) -> str:
     return name if os.path.isabs(name) else resolve_profile_path(name)
 
 
-def run_tune(model, variant, error_budget, profile_name):
-    return (tune_model(model, variant, error_budget, profile_path(profile_name)),)
+def parse_pv_values(text: str) -> tuple:
+    try:
+        vals = tuple(float(x) for x in (text or "50").replace(";", ",").split(",") if x.strip())
+    except ValueError:
+        raise ValueError(f"pvthreshd_values: use numbers separated by commas, e.g. '50, 20', got {text!r}") from None
+    lo, hi = BOUNDS["pvthreshd"]
+    bad = [v for v in vals if not lo <= v <= hi]
+    if not vals or bad:
+        raise ValueError(f"pvthreshd_values must be numbers in [{lo}, {hi}], got {text!r}")
+    return vals
+
+
+def run_tune(model, variant, error_budget, profile_name, pvthreshd_values="50"):
+    return (tune_model(model, variant, error_budget, profile_path(profile_name), parse_pv_values(pvthreshd_values)),)
 
 
 TUNE = Node(
@@ -198,6 +210,8 @@ TUNE = Node(
         In("error_budget", "FLOAT", DEFAULT_BUDGET, "Largest relative L1 error vs dense attention a layer may have at any "
            "sampled call (SpargeAttn's own tuning criterion; its default is 0.07).", min=0.001, max=0.5, step=0.001),
         In("profile_name", "STRING", "my_model", "File name in models/sparge_profiles (or an absolute path)."),
+        In("pvthreshd_values", "STRING", "50", "pvthreshd values to search, comma-separated (each multiplies the tuning "
+           "work); 50 is the library's default.", optional=True),
     ],
     outputs=[("MODEL", "model")],
     fn=run_tune,

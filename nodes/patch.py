@@ -336,15 +336,16 @@ class TuningOverride(AttentionOverride):
         log.info("\n".join(lines))
 
 
-def tune_model(model, variant: str, error_budget: float, path: str):
+def tune_model(model, variant: str, error_budget: float, path: str, pvthreshd_values=(50,)):
     """A clone whose next sampling run tunes SpargeAttn thresholds per layer and writes the profile to ``path``."""
     check_hook()
-    from ..attention.sparge_profile import fingerprint_state_dict
+    from ..attention.sparge_profile import default_grid, fingerprint_state_dict
     from ..attention.sparge_tune import SpargeTuner
 
     dm = model.model.diffusion_model
-    ov = TuningOverride(SpargeTuner(variant=variant, budget=error_budget), path, fingerprint_state_dict(dm.state_dict()),
-                        type(dm).__name__)
+    grid = {**default_grid(variant), "pvthreshd": tuple(pvthreshd_values)}
+    ov = TuningOverride(SpargeTuner(variant=variant, budget=error_budget, grid=grid), path,
+                        fingerprint_state_dict(dm.state_dict()), type(dm).__name__)
     return _install(model.clone(), ov)
 
 

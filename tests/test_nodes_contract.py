@@ -164,3 +164,12 @@ def test_benchmark_shapes_are_parsed_with_clear_errors():
     assert shapes["1,2,300,64"][:5] == (1, 2, 300, 64, None) and shapes["2,4,100,40,77"][4] == 77 and "flux" in shapes
     with pytest.raises(ValueError, match="B,H,N,D or B,H,N,D,Nk"):
         bench.parse_shapes([], ["1,2,3"])
+
+
+def test_pvthreshd_values_are_parsed_with_clear_errors():
+    assert defs.parse_pv_values("50, 20") == (50.0, 20.0)
+    assert defs.parse_pv_values("") == (50.0,)
+    with pytest.raises(ValueError, match="numbers separated by commas"):
+        defs.parse_pv_values("a,b")
+    with pytest.raises(ValueError, match=r"must be numbers in \[0.0"):
+        defs.parse_pv_values("-3")

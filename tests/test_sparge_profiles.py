@@ -100,3 +100,16 @@ def test_tuning_run_returns_dense_attention_and_measures_candidates(temp_backend
     assert torch.allclose(out, ref.transpose(1, 2).reshape(1, 256, 32), atol=1e-6)
     th, err, sp = tuner.best(0)
     assert err <= 0.03 and th["cdfthreshd"] < 0.99 and tuner.evaluations >= 2
+
+
+def test_pvthreshd_is_searched_when_several_values_are_given():
+    grid = {"simthreshd1": (0.6,), "walk_key": "cdfthreshd", "walk": (0.99, 0.95), "pvthreshd": (50, 10)}
+    walks = candidates("sparge", grid)
+    assert [[c["pvthreshd"] for c in w] for w in walks] == [[50, 50], [10, 10]]
+
+    def err(th):  # a lower pvthreshd skips more PV work: sparser, a little less accurate
+        sp = (1 - th["cdfthreshd"]) * 5 + (50 - th["pvthreshd"]) / 200
+        return sp * 0.1, sp
+
+    th, e, sp, _ = search_layer(err, budget=0.05, grid=grid)
+    assert th["pvthreshd"] == 10 and e <= 0.05
