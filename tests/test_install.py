@@ -282,3 +282,27 @@ def test_a_wheel_that_installs_but_cannot_run_is_removed(tmp_path, monkeypatch):
     assert x.status == "removed" and "built for torch 2.10.0" in x.detail
     assert k.status == "installed"
     assert calls == [[sys.executable, "-m", "pip", "uninstall", "-y", "xformers"]]
+
+
+def test_build_progress_follows_ninja_lines_in_pip_verbose_output(monkeypatch):
+    bars = []
+
+    class FakeBar:
+        def __init__(self, **kw):
+            self.n, self.total, self.closed = 0, None, False
+            bars.append(self)
+
+        def refresh(self):
+            pass
+
+        def close(self):
+            self.closed = True
+
+    import tqdm
+
+    monkeypatch.setattr(tqdm, "tqdm", FakeBar)
+    feed = inst._progress("spas_sage_attn", quiet=False)
+    for line in ["Building wheels for collected packages", "  [1/292] /usr/local/cuda/bin/nvcc -c a.cu", "  [57/292] nvcc b.cu"]:
+        feed(line)
+    feed(None)
+    assert bars[0].n == 57 and bars[0].total == 292 and bars[0].closed
