@@ -46,11 +46,6 @@ CAPS = _load_capabilities()
 KERNELS = CAPS.KERNELS
 
 PINNED = ("torch", "torchvision", "torchaudio")
-DEFAULT_SOURCES = {
-    "sageattention": "https://github.com/thu-ml/SageAttention",
-    "sageattn3": "https://github.com/thu-ml/SageAttention",
-    "spas_sage_attn": "https://github.com/thu-ml/SpargeAttn",
-}
 # Minimum nvcc per arch (SageAttention's setup.py refuses older ones).
 NVCC_MIN_FOR_ARCH = {(8, 9): (12, 4), (9, 0): (12, 3), (12, 0): (12, 8), (12, 1): (12, 9), (10, 0): (12, 8)}
 BUILD_TOOLS = ("setuptools", "wheel", "packaging", "ninja")  # what a --no-build-isolation build imports
@@ -342,7 +337,7 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
             if m.cuda_home:
                 env["CUDA_HOME"] = m.cuda_home
             fixes = [f for f in FIXES if f.kernel == key and f.applies(m)]
-            src = sources.get(key) or DEFAULT_SOURCES[key]
+            src = sources.get(key) or k.upstream
             steps.append(
                 Step(
                     key, "build", f"build from source for {arch_list(archs)}",

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-CC = tuple  # (major, minor)
-
 
 @dataclass(frozen=True)
 class Kernel:
@@ -23,9 +21,8 @@ class Kernel:
     min_cc: tuple[int, int] | None = None
     max_cc: tuple[int, int] | None = None
     source: str = "wheel"  # "wheel": from PyPI; "build": compiled from source
-    upstream: str = ""
+    upstream: str = ""  # source repository, for kernels built from source
     note: str = ""
-    needs_toolkit: bool = False
     arch_families: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     backends: tuple[str, ...] = ()  # registry names this package provides
 
@@ -60,7 +57,6 @@ KERNELS: dict[str, Kernel] = {
             pip_name="sageattention",
             min_cc=(8, 0),
             source="build",
-            needs_toolkit=True,
             upstream="https://github.com/thu-ml/SageAttention",
             note="SageAttention 2.x, CUDA kernels built for the detected archs",
         ),
@@ -80,7 +76,6 @@ KERNELS: dict[str, Kernel] = {
             pip_name="sageattn3",
             min_cc=(10, 0),
             source="build",
-            needs_toolkit=True,
             upstream="https://github.com/thu-ml/SageAttention",
             note="SageAttention3 (FP4), Blackwell only; source in sageattention3_blackwell/",
         ),
@@ -92,7 +87,6 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(8, 0),
             max_cc=(9, 0),
             source="build",
-            needs_toolkit=True,
             upstream="https://github.com/thu-ml/SpargeAttn",
             note="SpargeAttn sparse attention",
         ),

@@ -96,7 +96,6 @@ class AttentionOverride:
         self.layer_options = layer_options  # callable(layer index, spec-ish dict) -> options or None
         self.log_stats = log_stats
         self.layer = 0  # attention call index within the current model forward
-        self.calls_dense = 0
         self._layer_calls = {}
         self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
 
@@ -130,8 +129,6 @@ class AttentionOverride:
         dense = (self.dense_layers and in_ranges(layer, self.dense_layers)) or layer in self.nonfinite_layers \
             or not self._active(topts)
         cfg = self.dense if dense else self.config
-        if dense:
-            self.calls_dense += 1
         options = None
         if not dense and self.layer_options is not None:
             options = self.layer_options(layer, a)
@@ -153,7 +150,6 @@ class AttentionOverride:
 
     def start_run(self) -> None:
         self.config.stats.reset()
-        self.calls_dense = 0
         self._layer_calls = {}
         self.nonfinite_layers = set()
 
