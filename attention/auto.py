@@ -124,6 +124,7 @@ class AutoSelector:
     warmup: int = 2
     reps: int = 5
     timer: Callable | None = None  # (name, fn, device) -> ms
+    max_tune_s: float = 60.0  # per signature: candidates not reached in this time are skipped (SDPA is always timed)
     exclude: set = field(default_factory=lambda: set(EXCLUDED))
     decisions: dict = field(default_factory=dict)  # signature -> backend name
     reports: dict = field(default_factory=dict)  # signature -> list[Candidate]
@@ -165,7 +166,8 @@ class AutoSelector:
 
     # ---- selection
     def candidates(self, spec) -> list[str]:
-        from .dispatch import plan_for
+        """Backends that can take ``spec``, SDPA first (the baseline is always measured)."""
+        from .dispatch import REFERENCE, plan_for
 
         names = []
         for b in REGISTRY.backends():
@@ -173,7 +175,7 @@ class AutoSelector:
                 continue
             if plan_for(b, spec)[1] is None:
                 names.append(b.name)
-        return names
+        return sorted(names, key=lambda n: n != REFERENCE)
 
     def choose(self, cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
         if not self._loaded:
@@ -197,6 +199,7 @@ class AutoSelector:
         from .dispatch import plan_for, run_backend
 
         names = self.candidates(spec)
+        t_start = time.perf_counter()
         with torch.no_grad():
             to_hnd = (lambda t: t) if layout == "HND" else (lambda t: t.transpose(1, 2))
             ref = to_hnd(reference_attention(to_hnd(q4), to_hnd(k4), to_hnd(v4), mask4, scale))
@@ -207,6 +210,9 @@ class AutoSelector:
                 opts = cfg.options.get(name) or {}
                 c = Candidate(name)
                 report.append(c)
+                if report[0] is not c and time.perf_counter() - t_start > self.max_tune_s:
+                    c.error = f"not measured: tuning budget of {self.max_tune_s:g} s spent"
+                    continue
 
                 check = cfg.check_finite and b.quantized
 
@@ -242,7 +248,7 @@ def describe(name: str, report: list[Candidate], took_ms: float) -> str:
     parts = []
     for c in sorted(report, key=lambda c: (c.ms is None, c.ms or 0)):
         if c.error:
-            parts.append(f"{c.name}: error {c.error}")
+            parts.append(f"{c.name}: {c.error}" if c.error.startswith("not measured") else f"{c.name}: error {c.error}")
         elif not c.passed:
             parts.append(f"{c.name}: failed gate (cos {c.cos:.5f}, rel-L1 {c.rel_l1:.4f})")
         else:

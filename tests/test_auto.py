@@ -129,3 +129,15 @@ def test_real_timing_on_cpu_picks_a_correct_backend():
     assert cfg.stats.total_calls == 1 and "sdpa" in next(iter(cfg.stats.calls))
     assert cfg.auto.tune_ms > 0
     assert cos_rel(out, sdpa_ref(q, q, q, 4))[0] >= 0.9999
+
+
+def test_tuning_time_is_bounded(temp_backend):
+    temp_backend(_sdpa_backend("t_late"))
+    timer, calls = _timer({"sdpa": 2.0, "t_late": 1.0})
+    sel = AutoSelector(timer=timer, exclude=only({"sdpa", "t_late"}), max_tune_s=0.0)
+    cfg = AttentionConfig(backend="auto", auto=sel)
+    q = torch.randn(1, 64, 2 * 16)
+    attention(q, q, q, 2, config=cfg)
+    assert calls == ["sdpa"] and cfg.stats.calls == {"sdpa": 1}  # the baseline is measured first, always
+    [why] = cfg.stats.decisions.values()
+    assert "t_late: not measured: tuning budget of 0 s spent" in why
