@@ -77,7 +77,10 @@ class AttentionConfig:
         pending, self._pending = self._pending, []
         if not pending:
             return []
-        flags = torch.stack([f for _, _, f in pending]).tolist()
+        try:
+            flags = torch.stack([f for _, _, f in pending]).tolist()
+        except RuntimeError:  # flags on several devices
+            flags = [bool(f) for _, _, f in pending]
         return [(key, name) for (key, name, _), ok in zip(pending, flags) if not ok]
 
     def __post_init__(self):
@@ -352,6 +355,11 @@ def _check(cfg, backend, out, spec, check_key):
     if not cfg.check_finite or not backend.quantized or backend.name == REFERENCE:
         return
     if cfg.check_finite == "deferred":
+        if len(cfg._pending) >= 4096:  # nobody is reading them: settle these now rather than grow
+            for key, name in cfg.take_nonfinite():
+                cfg.stats.count_error(name, "non-finite output (deferred check not read in time)")
+                _warn_once((name, "deferred"), "%s returned NaN/inf (call %s); deferred checks were not read in time",
+                           name, key)
         cfg._pending.append((check_key, backend.name, torch.isfinite(out).all()))
     elif not bool(torch.isfinite(out).all()):
         raise NonFiniteOutput(f"{backend.name} returned non-finite values (NaN/inf) for {spec.short()}")
