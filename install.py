@@ -495,7 +495,8 @@ class Installer:
         s.seconds = time.time() - t0
         if rc != 0:
             s.status = "failed"
-            s.detail = f"pip exited {rc} after {s.seconds:.0f} s; {likely_cause(log.read_text())}; log: {log}"
+            what = "build" if s.action == "build" else "pip"
+            s.detail = f"{what} failed (exit {rc}) after {s.seconds:.0f} s; {likely_cause(log.read_text())}; log: {log}"
             if not self.quiet:
                 print(f"--- last lines of {log} ---\n" + "\n".join(log.read_text().splitlines()[-25:]), flush=True)
         else:
@@ -548,7 +549,9 @@ def fetch_source(source: str, dest: Path, log: Path) -> Path | None:
     return None
 
 
-CAUSES = (
+CAUSES = (  # first match wins: a missing network explains "no matching distribution" too
+    (r"Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection|Could not resolve host",
+     "no network: use --find-links DIR --no-index for wheels and local --sage-source/--sparge-source paths"),
     (r"redefinition of .*__terminate", "GCC >= 13 with CUDA 13 and '-include cassert' (the sparge-cassert-gcc13 fix)"),
     (r"nvcc.*not found|No CUDA runtime is found|CUDA_HOME environment variable is not set", "no CUDA toolkit: install it or set CUDA_HOME"),
     (r"The detected CUDA version \(.*\) mismatches", "nvcc and torch's CUDA differ: install the toolkit matching torch"),
@@ -556,7 +559,7 @@ CAUSES = (
     (r"No matching distribution|Could not find a version", "no wheel for this Python/torch/platform"),
     (r"Cannot install .* because these package versions have conflicting|ResolutionImpossible", "it would need another torch (the pins refused it)"),
     (r"unsupported GNU version", "host compiler too new for this nvcc: set CC/CXX to an older gcc"),
-    (r"Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection", "no network: use --find-links/--no-index or local --*-source paths"),
+    (r"source .* is neither a path nor a git URL", "the source given is neither a local path nor a git URL"),
 )
 
 

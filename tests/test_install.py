@@ -239,6 +239,10 @@ def test_fetch_source_unpacks_archives(tmp_path):
         ("ERROR: No matching distribution found for flash-attn", "no wheel"),
         ("#error -- unsupported GNU version! gcc versions later than 13 are not supported!", "host compiler too new"),
         ("something else", "see the log"),
+        # from install.py run the way ComfyUI Manager runs it, on the H100 without network (2026-11-22):
+        ("fatal: unable to access 'https://github.com/thu-ml/SageAttention/': Could not resolve host: github.com", "no network"),
+        ("WARNING: Retrying ... Failed to establish a new connection: [Errno -3] Temporary failure in name resolution\n"
+         "ERROR: No matching distribution found for comfy-kitchen", "no network"),
     ],
 )
 def test_likely_cause(log, cause):
