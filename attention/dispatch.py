@@ -34,7 +34,6 @@ log = logging.getLogger("patch_attention.dispatch")
 REFERENCE = "sdpa"
 AUTO = "auto"
 
-GLOBAL_STATS = Stats()
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("patch_attention_forced", default=None)
 
 
@@ -153,14 +152,27 @@ def _validate(q, k, v, heads, mask, skip_reshape):
             raise ValueError(f"mask on {mask.device}, q on {q.device}")
 
 
+def _mask_4d(mask):
+    """ComfyUI's rule: a 2-D mask gets a batch dim, a 3-D one a heads dim."""
+    if mask is not None and mask.ndim == 2:
+        mask = mask.unsqueeze(0)
+    if mask is not None and mask.ndim == 3:
+        mask = mask.unsqueeze(1)
+    return mask
+
+
+def _qkv_4d(q, k, v, heads, skip_reshape):
+    """ComfyUI's q/k/v as 4-D views and their layout: ``[B, H, N, D]`` as is, ``[B, N, H*D]`` as ``[B, N, H, D]``."""
+    if skip_reshape:
+        return q, k, v, "HND"
+    return q.unflatten(-1, (heads, -1)), k.unflatten(-1, (heads, -1)), v.unflatten(-1, (heads, -1)), "NHD"
+
+
 def _norm_mask(mask, b, h, nq, nk):
-    """ComfyUI's rule: 2-D gets a batch dim, 3-D a heads dim; then it must broadcast."""
+    """The 4-D mask, checked to broadcast to [B, H, Nq, Nk]."""
+    mask = _mask_4d(mask)
     if mask is None:
         return None
-    if mask.ndim == 2:
-        mask = mask.unsqueeze(0)
-    if mask.ndim == 3:
-        mask = mask.unsqueeze(1)
     try:
         torch.broadcast_shapes(mask.shape, (b, h, nq, nk))
     except RuntimeError:
@@ -368,16 +380,9 @@ def _check(cfg, backend, out, spec, check_key):
 def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key):
     """A call shaped exactly like an earlier one: same plan, no validation or planning.  None if it raised."""
     backend, target, spec, layout, fallback, opts = hit
-    if skip_reshape:
-        q4, k4, v4 = q, k, v
-    else:
-        q4, k4, v4 = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
-    mask4 = mask
-    if mask4 is not None:
-        while mask4.ndim < 4:
-            mask4 = mask4.unsqueeze(0 if mask4.ndim == 2 else 1)
+    q4, k4, v4, _ = _qkv_4d(q, k, v, heads, skip_reshape)
     try:
-        out, _ = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, spec.head_dim ** -0.5, opts)
+        out, _ = run_backend(backend, q4, k4, v4, layout, _mask_4d(mask), spec, target, spec.head_dim ** -0.5, opts)
         _check(cfg, backend, out, spec, check_key)
     except Exception:
         return None
@@ -390,12 +395,7 @@ def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key):
 def prepare(q, k, v, heads, mask=None, skip_reshape=False, scale=None):
     """Validate a ComfyUI-convention call; returns 4-D q/k/v views, their layout, the spec, the 4-D mask, the scale."""
     _validate(q, k, v, heads, mask, skip_reshape)
-    if skip_reshape:
-        layout = "HND"
-        q4, k4, v4 = q, k, v
-    else:
-        layout = "NHD"
-        q4, k4, v4 = (t.unflatten(-1, (heads, -1)) for t in (q, k, v))
+    q4, k4, v4, layout = _qkv_4d(q, k, v, heads, skip_reshape)
     spec = make_spec(q4, k4, v4, layout, mask)
     mask4 = _norm_mask(mask, spec.batch, spec.heads, spec.q_len, spec.kv_len)
     return q4, k4, v4, layout, spec, mask4, (spec.head_dim ** -0.5 if scale is None else scale)

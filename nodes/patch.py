@@ -241,15 +241,9 @@ def patch_model(
     ``backend="disabled"`` returns a clone with any earlier override removed.
     """
     check_hook()
-    import comfy.patcher_extension as pe
-
     m = model.clone()
-    topts = m.model_options.setdefault("transformer_options", {})
     if backend == "disabled":
-        topts.pop(OVERRIDE_KEY, None)
-        for kind in (pe.WrappersMP.APPLY_MODEL, pe.WrappersMP.OUTER_SAMPLE):
-            m.remove_wrappers_with_key(kind, WRAPPER_KEY)
-        return m
+        return _install(m, None)
     if not 0.0 <= start_percent <= end_percent <= 1.0:
         raise ValueError(f"need 0 <= start_percent <= end_percent <= 1, got {start_percent}, {end_percent}")
     ranges = parse_layers(dense_layers)
@@ -274,17 +268,23 @@ def patch_model(
         ms = m.get_model_object("model_sampling")
         sigma_range = (float(ms.percent_to_sigma(start_percent)), float(ms.percent_to_sigma(end_percent)))
     ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats,
-                           report_error_every=getattr(sparge, "report_error_every", 0) if sparge is not None else 0)
+                           report_error_every=getattr(sparge, "report_error_every", 0))
     return _install(m, ov)
 
 
 def _install(m, ov):
+    """Put ``ov`` and its wrappers on the clone ``m`` (replacing an earlier patch); ``None`` removes them."""
     import comfy.patcher_extension as pe
 
-    m.model_options.setdefault("transformer_options", {})[OVERRIDE_KEY] = ov
-    for kind, wrapper in ((pe.WrappersMP.APPLY_MODEL, _ForwardWrapper(ov)), (pe.WrappersMP.OUTER_SAMPLE, _SampleWrapper(ov))):
+    topts = m.model_options.setdefault("transformer_options", {})
+    if ov is None:
+        topts.pop(OVERRIDE_KEY, None)
+    else:
+        topts[OVERRIDE_KEY] = ov
+    for kind, wrapper in ((pe.WrappersMP.APPLY_MODEL, _ForwardWrapper), (pe.WrappersMP.OUTER_SAMPLE, _SampleWrapper)):
         m.remove_wrappers_with_key(kind, WRAPPER_KEY)
-        m.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper)
+        if ov is not None:
+            m.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper(ov))
     return m
 
 
