@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# The test environment on a fresh machine without a GPU, as CI builds it:
+#   bash tests/setup_env.sh [VENV=.venv] [COMFY_DIR=.build/comfyui]
+# 1. a venv with torch + torchvision (ComfyUI's model classes import torchvision), used on the CPU;
+# 2. ComfyUI 0.3.64 unpacked outside the tracked tree from ../shared/comfyui/ComfyUI-0.3.64.tgz (or $COMFYUI_TGZ),
+#    with its own requirements.txt (torch lines excluded, so torch stays the one above);
+# 3. the test requirements.
+# Afterwards: `. VENV/bin/activate; export COMFYUI_PATH=COMFY_DIR/ComfyUI; python -m pytest tests`.
+set -euo pipefail
+VENV=${1:-.venv}
+COMFY_DIR=${2:-.build/comfyui}
+TGZ=${COMFYUI_TGZ:-../shared/comfyui/ComfyUI-0.3.64.tgz}
+# torch 2.14.1 + torchvision 0.29.1 are a matching pair on PyPI; a constraints file keeps every later install on them.
+TORCH_PINS="torch==2.14.1 torchvision==0.29.1"
+
+[ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
+PY="$VENV/bin/python"
+"$PY" -m pip install -q --upgrade pip >/dev/null
+cons=$(mktemp)
+printf '%s\n' $TORCH_PINS >"$cons"
+"$PY" -m pip install -q -c "$cons" $TORCH_PINS
+
+if [ -f "$TGZ" ]; then
+  if [ ! -f "$COMFY_DIR/ComfyUI/main.py" ]; then
+    mkdir -p "$COMFY_DIR"
+    tar xzf "$TGZ" -C "$COMFY_DIR"
+  fi
+  req=$(mktemp)
+  # ComfyUI's requirements up to its "non essential" block, without torch/torchvision/torchaudio
+  sed -n '/^#non essential/q;p' "$COMFY_DIR/ComfyUI/requirements.txt" | grep -v -E '^(torch|torchvision|torchaudio)([<>=~ ].*)?$' >"$req"
+  # requests: ComfyUI's server imports it (its frontend manager) without listing it
+  "$PY" -m pip install -q -c "$cons" -r "$req" requests
+else
+  echo "setup_env: $TGZ not found: the real-ComfyUI tests will be skipped (set COMFYUI_TGZ or COMFYUI_PATH)" >&2
+fi
+"$PY" -m pip install -q -c "$cons" -r requirements-test.txt
