@@ -128,6 +128,7 @@ class AutoSelector:
     exclude: set = field(default_factory=lambda: set(EXCLUDED))
     decisions: dict = field(default_factory=dict)  # signature -> backend name
     reports: dict = field(default_factory=dict)  # signature -> list[Candidate]
+    demoted: dict = field(default_factory=dict)  # signature -> why SDPA replaces the decision until cleared (a run)
     tune_ms: float = 0.0
     _loaded: bool = False
 
@@ -181,6 +182,8 @@ class AutoSelector:
         if not self._loaded:
             self._load()
         sig = signature(spec)
+        if sig in self.demoted:
+            return "sdpa"
         hit = self.decisions.get(sig)
         if hit is not None:
             return hit
@@ -195,8 +198,12 @@ class AutoSelector:
         self._save()
         return name
 
+    def demote(self, sig: str, why: str) -> None:
+        """Use SDPA for ``sig`` until :attr:`demoted` is cleared (the node clears it at the start of each run)."""
+        self.demoted[sig] = why
+
     def tune(self, cfg, q4, k4, v4, layout, mask4, spec, scale):
-        from .dispatch import plan_for, run_backend
+        from .dispatch import finite_flag, plan_for, run_backend
 
         names = self.candidates(spec)
         t_start = time.perf_counter()
@@ -219,9 +226,9 @@ class AutoSelector:
                 def call(b=b, target=target, opts=opts, check=check):
                     out = run_backend(b, q4, k4, v4, layout, mask4, spec, target, scale, opts)[0]
                     if check:  # the dispatcher's NaN check is part of this backend's cost
-                        flag = torch.isfinite(out).all()
+                        flag = finite_flag(out)
                         if cfg.check_finite is True:
-                            bool(flag)  # immediate mode syncs per call
+                            bool(flag.isfinite())  # immediate mode syncs per call
                     return out
 
                 try:

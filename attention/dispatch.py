@@ -56,8 +56,10 @@ class AttentionConfig:
     record_time: time each call per backend (CUDA events, read lazily).
     check_finite: check the output of quantized backends for NaN/inf and redo a non-finite call on the next
         backend (SageAttention returns NaN when all keys are equal, as a zeroed prompt gives).  ``True``: at once,
-        one device sync per call.  ``"deferred"``: record the check on the device and let the caller read all of a
-        model forward's checks with one sync (:meth:`take_nonfinite`) and redo that forward; the node layer does this.
+        one device sync per call.  ``"deferred"``: while ``in_forward`` is set, record the check on the device (one
+        fp32 sum of the output, a single reduction kernel: finite exactly when every element is) and let the caller
+        read all of a model forward's checks with one sync (:meth:`take_nonfinite`) and redo that forward; the node
+        layer does this.  Outside a forward a deferred config checks at once, since nobody would read the record.
     """
 
     backend: str = REFERENCE
@@ -68,6 +70,7 @@ class AttentionConfig:
     check_finite: bool | str = True
     stats: Stats = field(default_factory=Stats)
     auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
+    in_forward: bool = False  # set by the caller around a model forward whose deferred checks it reads
     _fast: dict = field(default_factory=dict, repr=False)  # exact call shape -> resolved plan (skips validation and planning)
     _pending: list = field(default_factory=list, repr=False)  # deferred finite checks: (check_key, backend, device bool)
 
@@ -77,9 +80,9 @@ class AttentionConfig:
         if not pending:
             return []
         try:
-            flags = torch.stack([f for _, _, f in pending]).tolist()
+            flags = torch.stack([f for _, _, f in pending]).isfinite().tolist()
         except RuntimeError:  # flags on several devices
-            flags = [bool(f) for _, _, f in pending]
+            flags = [bool(f.isfinite()) for _, _, f in pending]
         return [(key, name) for (key, name, _), ok in zip(pending, flags) if not ok]
 
     def __post_init__(self):
@@ -363,17 +366,23 @@ def attention(
     return finish(out, layout, spec, skip_output_reshape)
 
 
+def finite_flag(out: torch.Tensor) -> torch.Tensor:
+    """A 0-d fp32 device tensor that is finite exactly when every element of ``out`` is: its sum, one reduction
+    kernel (attention outputs are convex combinations of V, so the sum stays far inside fp32's range)."""
+    return torch.sum(out, dtype=torch.float32)
+
+
 def _check(cfg, backend, out, spec, check_key):
-    if not cfg.check_finite or not backend.quantized or backend.name == REFERENCE:
+    if not cfg.check_finite or not backend.quantized:
         return
-    if cfg.check_finite == "deferred":
+    if cfg.check_finite == "deferred" and cfg.in_forward:
         if len(cfg._pending) >= 4096:  # nobody is reading them: settle these now rather than grow
             for key, name in cfg.take_nonfinite():
                 cfg.stats.count_error(name, "non-finite output (deferred check not read in time)")
                 _warn_once((name, "deferred"), "%s returned NaN/inf (call %s); deferred checks were not read in time",
                            name, key)
-        cfg._pending.append((check_key, backend.name, torch.isfinite(out).all()))
-    elif not bool(torch.isfinite(out).all()):
+        cfg._pending.append((check_key, backend.name, finite_flag(out)))
+    elif not bool(finite_flag(out).isfinite()):
         raise NonFiniteOutput(f"{backend.name} returned non-finite values (NaN/inf) for {spec.short()}")
 
 
@@ -409,3 +418,14 @@ def finish(out, layout, spec, skip_output_reshape):
     if layout == "NHD":
         return out.reshape(b, n, -1)
     return out.transpose(1, 2).reshape(b, n, -1)
+
+
+def error_vs_reference(out, q, k, v, heads, mask=None, *, skip_reshape=False, skip_output_reshape=False):
+    """(cosine, relative L1) of ``out`` (what :func:`attention` returned for this call) against fp32 attention on the
+    same inputs, computed in query chunks that fit in memory at video sizes.  One device sync."""
+    from .auto import accuracy
+    from .reference import reference_attention
+
+    q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape)
+    ref = reference_attention(*(_to(t, layout, "HND") for t in (q4, k4, v4)), mask4, scale)
+    return accuracy(out, finish(_to(ref, "HND", layout), layout, spec, skip_output_reshape))

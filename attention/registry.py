@@ -21,6 +21,31 @@ log = logging.getLogger("patch_attention.registry")
 LAYOUTS = ("HND", "NHD")  # [B, H, N, D] and [B, N, H, D]
 
 
+@dataclass(frozen=True)
+class Accuracy:
+    """An accuracy class: the bound every backend of the class must keep against fp32 SDPA on any supported call
+    (cosine similarity and relative L1 of the output), and whether calls that ask for full precision may use it."""
+
+    name: str
+    min_cos: float
+    max_rel_l1: float
+    full_precision: bool  # may take calls with attn_precision=fp32 / low_precision_attention=False
+    text: str
+
+    def describe(self) -> str:
+        return f"{self.name}: cos >= {self.min_cos}, rel-L1 <= {self.max_rel_l1} vs fp32 SDPA ({self.text})"
+
+
+# Bounds from the H100 contract matrix (docs/gpu-correctness.md); a kernel outside its class on a call the
+# registry lets it take is a bug, fixed in the call or declared in its constraints.
+ACCURACY = {
+    "exact": Accuracy("exact", 0.9999, 0.02, True, "half-precision rounding only"),
+    "8bit": Accuracy("8bit", 0.995, 0.08, False, "INT8 Q/K and FP8/FP16 P/V quantization"),
+    "sparse": Accuracy("sparse", 0.99, 0.15, False, "8-bit plus skipped blocks; error depends on thresholds"),
+    "4bit": Accuracy("4bit", 0.98, 0.2, False, "FP4 microscaling"),
+}
+
+
 @dataclass
 class Availability:
     ok: bool
@@ -49,7 +74,19 @@ class Backend:
     # Quantized kernels can return NaN on degenerate inputs (e.g. SageAttention on all-equal keys, as a
     # zeroed negative prompt gives); the dispatcher checks their output when config.check_finite is on.
     quantized: bool = False
+    accuracy: str = "exact"  # a key of ACCURACY; a quantized backend is at least "8bit"
     _avail: Availability | None = field(default=None, repr=False)
+
+    def __post_init__(self):
+        if self.accuracy not in ACCURACY:
+            raise ValueError(f"backend {self.name!r}: accuracy must be one of {list(ACCURACY)}, got {self.accuracy!r}")
+        if self.quantized and self.accuracy == "exact":
+            self.accuracy = "8bit"
+        self.quantized = self.accuracy != "exact"
+
+    @property
+    def accuracy_class(self) -> Accuracy:
+        return ACCURACY[self.accuracy]
 
     def availability(self) -> Availability:
         if self._avail is None:

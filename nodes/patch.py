@@ -14,8 +14,11 @@ import logging
 import os
 import re
 
-from ..attention import AttentionConfig, AutoSelector, attention
+import torch
+
+from ..attention import REGISTRY, AttentionConfig, AutoSelector, attention, op
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
+from ..attention.dispatch import error_vs_reference
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -67,16 +70,34 @@ def in_ranges(i: int, ranges) -> bool:
     return any(lo <= i and (hi is None or i <= hi) for lo, hi in ranges)
 
 
+_ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
+
+
 def _bind(args, kwargs):
     """ComfyUI's attention signature: (q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False,
     skip_output_reshape=False, **kwargs)."""
-    names = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
-    bound = dict(zip(names, args))
+    bound = dict(zip(_ARG_NAMES, args))
     rest = dict(kwargs)
-    for n in names:
+    for n in _ARG_NAMES:
         if n in rest:
             bound[n] = rest.pop(n)
     return bound, rest
+
+
+# ComfyUI's exact attention functions: where Patch Attention runs dense attention and the model's own function is
+# one of these, it calls that function, so a dense call costs what it cost before the patch.
+HOST_EXACT = frozenset({"attention_pytorch", "attention_basic", "attention_split", "attention_sub_quad"})
+HOST = "comfyui"  # stats name of calls handed to ComfyUI's own attention function
+
+
+def is_host_exact(func) -> bool:
+    return getattr(func, "__name__", None) in HOST_EXACT and getattr(func, "__module__", "") == "comfy.ldm.modules.attention"
+
+
+def wants_full_precision(a, rest) -> bool:
+    """The model asked for full-precision attention on this call (newer ComfyUI passes
+    ``low_precision_attention=False`` where 8-bit is unsafe; ``attn_precision=torch.float32`` is the older way)."""
+    return rest.get("low_precision_attention", True) is False or a.get("attn_precision") is torch.float32
 
 
 class AttentionOverride:
@@ -84,10 +105,14 @@ class AttentionOverride:
 
     Shared (not copied) when ComfyUI deep-copies model options, so statistics and
     ``auto`` decisions survive ``ModelPatcher.clone()`` and sampling.
+
+    Eager calls run here; under ``torch.compile`` the call becomes the custom op
+    ``patch_attention::attention`` (:mod:`attention.op`), whose real implementation comes back to
+    :meth:`op_call`, so tuning, statistics and NaN bookkeeping never run in traced code.
     """
 
     def __init__(self, config: AttentionConfig, *, sigma_range=None, dense_layers=(), layer_options=None,
-                 log_stats=False, report_error_every=0):
+                 log_stats=False, report_error_every=0, audit=True):
         self.config = config
         self.report_error_every = report_error_every  # SpargeAttn report: error vs dense every N calls of a layer
         self.dense = AttentionConfig(backend="sdpa", stats=config.stats)
@@ -97,7 +122,17 @@ class AttentionOverride:
         self.log_stats = log_stats
         self.layer = 0  # attention call index within the current model forward
         self._layer_calls = {}
+        self._dense_cache = {}  # layer -> in dense_layers
         self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
+        self.active = None  # step schedule for the current forward (None: not in a forward, read sigma per call)
+        self.check_phase = None  # "mid"/"last": this forward re-checks auto's non-exact choices against dense
+        self._checked = set()  # (phase, signature) re-checked this run
+        self.check_sigmas = {}  # sigma of the middle and last step of the current run -> "mid"/"last"
+        self.audit = audit and config.backend != "auto" and REGISTRY.get(config.backend).quantized
+        self._audited = set()  # call kinds whose first call was compared with dense
+        self.passthrough = config.backend == "sdpa" and not config.record_time  # `sdpa` is the host's SDPA call
+        self.exact = config.backend != "auto" and not REGISTRY.get(config.backend).quantized
+        self.handle = op.register(self)
 
     def __deepcopy__(self, memo):
         return self
@@ -109,10 +144,15 @@ class AttentionOverride:
         self.layer = 0
 
     def _active(self, transformer_options) -> bool:
-        if self.sigma_range is None or not transformer_options:
+        if self.sigma_range is None:
             return True
-        sig = transformer_options.get("sigmas")
-        if sig is None:
+        if self.active is not None:
+            return self.active
+        sig = transformer_options.get("sigmas") if transformer_options else None
+        return self.in_range(sig)
+
+    def in_range(self, sig) -> bool:
+        if self.sigma_range is None or sig is None:
             return True
         try:
             s = float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
@@ -121,13 +161,46 @@ class AttentionOverride:
         hi, lo = self.sigma_range
         return lo <= s <= hi
 
+    def phase_of(self, sigma):
+        """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
+        if not self.check_sigmas or sigma is None:
+            return None
+        s = float(sigma.flatten()[0]) if hasattr(sigma, "flatten") else float(sigma)  # one sync per forward
+        return next((p for x, p in self.check_sigmas.items() if abs(x - s) <= 1e-4 * max(abs(x), 1e-6)), None)
+
+    def _is_dense(self, layer, topts) -> bool:
+        if layer in self.nonfinite_layers or not self._active(topts):
+            return True
+        if not self.dense_layers:
+            return False
+        hit = self._dense_cache.get(layer)
+        if hit is None:
+            hit = self._dense_cache[layer] = in_ranges(layer, self.dense_layers)
+        return hit
+
     def __call__(self, func, *args, **kwargs):
         a, rest = _bind(args, kwargs)
-        topts = rest.get("transformer_options") or {}
+        if torch.compiler.is_compiling():
+            return op.attention_op(a["q"], a["k"], a["v"], a.get("mask"), a["heads"], bool(a.get("skip_reshape", False)),
+                                   bool(a.get("skip_output_reshape", False)), self.handle, wants_full_precision(a, rest))
+        return self._run(func, args, kwargs, a, rest.get("transformer_options"), wants_full_precision(a, rest))
+
+    def op_call(self, q, k, v, mask, heads, skip_reshape, skip_output_reshape, precise):
+        """The custom op's real implementation (compiled models): the same path, without ComfyUI's function."""
+        a = {"q": q, "k": k, "v": v, "heads": heads, "mask": mask, "skip_reshape": skip_reshape,
+             "skip_output_reshape": skip_output_reshape}
+        return self._run(None, None, None, a, None, precise)
+
+    def _run(self, func, args, kwargs, a, topts, precise):
         layer = self.layer
-        self.layer += 1
-        dense = (self.dense_layers and in_ranges(layer, self.dense_layers)) or layer in self.nonfinite_layers \
-            or not self._active(topts)
+        self.layer = layer + 1
+        dense = self._is_dense(layer, topts)
+        if precise and not dense and not self.exact:
+            dense = True
+            self.config.stats.count_fallback(self.config.backend, "sdpa", "full precision requested by the model")
+        if (dense or self.passthrough) and func is not None and is_host_exact(func):
+            self.config.stats.count_call(HOST)
+            return func(*args, **kwargs)
         cfg = self.dense if dense else self.config
         options = None
         if not dense and self.layer_options is not None:
@@ -136,22 +209,87 @@ class AttentionOverride:
         if sparse_report:
             options = {**(options or {}), "collect_sparsity": True}
         kw = dict(skip_reshape=bool(a.get("skip_reshape", False)), skip_output_reshape=bool(a.get("skip_output_reshape", False)))
-        out = attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=cfg, options=options,
+        q, k, v, heads, mask = a["q"], a["k"], a["v"], a["heads"], a.get("mask")
+        out = attention(q, k, v, heads, mask, config=cfg, options=options,
                         tag=f"layer{layer}" if sparse_report else None, check_key=layer, **kw)
+        if dense:
+            return out
+        if self.audit:
+            kind = (q.shape[1:], k.shape[1:], heads, None if mask is None else (mask.shape, mask.dtype))
+            if kind not in self._audited:
+                self._audited.add(kind)
+                self._audit(layer, q, k, v, heads, mask, kw, out)
+        elif self.check_phase is not None:
+            out = self._recheck(layer, q, k, v, heads, mask, kw, out)
         if sparse_report and self.report_error_every and (self.layer_calls(layer) % self.report_error_every == 0):
-            ref = attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=AttentionConfig(backend="sdpa"), **kw)
-            rel = ((out.float() - ref.float()).abs().sum() / ref.float().abs().sum().clamp_min(1e-12)).item()
+            _, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
             cfg.stats.add_metrics(f"{cfg.backend}@layer{layer}", {"rel_l1_vs_dense": rel})
         return out
+
+    def _gate(self):
+        auto = self.config.auto
+        if auto is not None:
+            return auto.min_cos, auto.max_rel_l1
+        return DEFAULT_MIN_COS, DEFAULT_MAX_REL_L1
+
+    def _audit(self, layer, q, k, v, heads, mask, kw, out):
+        """First call of a kind on an explicitly chosen lossy backend: its error against fp32 dense, logged once if
+        beyond the auto gate (one reference call and one sync per call kind and run)."""
+        cos, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
+        name = self.config.backend
+        self.config.stats.add_metrics(f"{name}@first-call", {"cos_vs_fp32": cos, "rel_l1_vs_fp32": rel})
+        min_cos, max_rel = self._gate()
+        if not (cos >= min_cos and rel <= max_rel):
+            log.warning("%s on attention layer %d (q %s, k %s): cos %.5f, rel-L1 %.4f against fp32 attention, beyond "
+                        "auto's gate (cos >= %g, rel-L1 <= %g); choose auto or an exact backend if the image suffers",
+                        name, layer, tuple(q.shape), tuple(k.shape), cos, rel, min_cos, max_rel)
+            self.config.stats.count_error(name, f"beyond auto's gate on its first call (rel-L1 {rel:.3f})")
+
+    def _recheck(self, layer, q, k, v, heads, mask, kw, out):
+        """auto, at the middle and last step: each non-exact choice is compared with fp32 dense once per signature;
+        one that fails the gate is replaced by SDPA for the rest of the run (this call's output too)."""
+        from ..attention.auto import signature
+        from ..attention.dispatch import prepare
+
+        auto = self.config.auto
+        if auto is None:
+            return out
+        spec = prepare(q, k, v, heads, mask, kw["skip_reshape"])[4]
+        sig = signature(spec)
+        name = auto.decisions.get(sig)
+        if name is None or not REGISTRY.get(name).quantized or (self.check_phase, sig) in self._checked:
+            return out
+        self._checked.add((self.check_phase, sig))
+        cos, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
+        stats = self.config.stats
+        stats.add_metrics(f"{name}@recheck-{self.check_phase}", {"cos_vs_fp32": cos, "rel_l1_vs_fp32": rel})
+        if cos >= auto.min_cos and rel <= auto.max_rel_l1:
+            return out
+        auto.demote(sig, f"failed the gate at the {self.check_phase} step (cos {cos:.5f}, rel-L1 {rel:.4f})")
+        self.config._fast.clear()
+        stats.decisions[sig] = f"sdpa for the rest of this run: {name} failed the gate at the {self.check_phase} step " \
+                               f"(cos {cos:.5f}, rel-L1 {rel:.4f})"
+        log.warning("auto: %s failed the accuracy gate at the %s step on layer %d (cos %.5f, rel-L1 %.4f); "
+                    "SDPA for the rest of this run", name, self.check_phase, layer, cos, rel)
+        return attention(q, k, v, heads, mask, config=self.dense, **kw)
 
     def layer_calls(self, layer: int) -> int:
         self._layer_calls[layer] = self._layer_calls.get(layer, 0) + 1
         return self._layer_calls[layer] - 1
 
-    def start_run(self) -> None:
+    def start_run(self, sigmas=None) -> None:
+        self.check_sigmas = {}
+        if self.config.auto is not None and sigmas is not None and len(sigmas) > 2:
+            steps = [float(x) for x in sigmas[:-1]]  # one sync per run; the last sigma is the end of the schedule
+            self.check_sigmas = {steps[len(steps) // 2]: "mid", steps[-1]: "last"}
         self.config.stats.reset()
         self._layer_calls = {}
         self.nonfinite_layers = set()
+        self._checked = set()
+        self._audited = set()
+        if self.config.auto is not None:
+            self.config.auto.demoted.clear()
+            self.config._fast.clear()
 
     def end_run(self) -> None:
         if self.log_stats:
@@ -169,23 +307,35 @@ class _Wrapper:
 
 
 class _ForwardWrapper(_Wrapper):
-    """APPLY_MODEL wrapper: one model forward begins (layer counter back to 0)."""
+    """APPLY_MODEL wrapper around one model forward: the layer counter back to 0, the step schedule and auto's
+    re-check phase read once (not per attention call), and the forward's deferred NaN checks read with one sync.
+    It wraps ComfyUI's torch.compile wrapper from outside, so it runs eagerly in compiled models too."""
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override
+        cfg = ov.config
+        sigma = args[1] if len(args) > 1 else kwargs.get("t")
+        ov.active = ov.in_range(sigma) if ov.sigma_range is not None else True
+        ov.check_phase = ov.phase_of(sigma)
         ov.start_forward()
-        out = executor(*args, **kwargs)
-        bad = ov.config.take_nonfinite() if ov.config.check_finite == "deferred" else []
-        if bad:
-            # A kernel returned NaN/inf somewhere in this forward (read with one sync per forward): those layers
-            # run dense for the rest of the sampling run, and the forward is computed again.
-            for layer, name in bad:
-                ov.nonfinite_layers.add(layer)
-                ov.config.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
-                _warn_nonfinite(name, layer)
-            ov.start_forward()
+        cfg.in_forward = True
+        try:
             out = executor(*args, **kwargs)
-            ov.config.take_nonfinite()
+            bad = cfg.take_nonfinite() if cfg.check_finite == "deferred" else []
+            if bad:
+                # A kernel returned NaN/inf somewhere in this forward (read with one sync per forward): those layers
+                # run dense for the rest of the sampling run, and the forward is computed again.
+                for layer, name in bad:
+                    ov.nonfinite_layers.add(layer)
+                    cfg.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
+                    _warn_nonfinite(name, layer)
+                ov.start_forward()
+                out = executor(*args, **kwargs)
+                cfg.take_nonfinite()
+        finally:
+            cfg.in_forward = False
+            ov.active = None
+            ov.check_phase = None
         return out
 
 
@@ -200,11 +350,13 @@ def _warn_nonfinite(name, layer):
 
 
 class _SampleWrapper(_Wrapper):
-    """OUTER_SAMPLE wrapper: statistics per sampling run, logged at its end when asked."""
+    """OUTER_SAMPLE wrapper: statistics per sampling run, logged at its end when asked; the run's sigmas (for auto's
+    re-check at the middle and last step)."""
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override
-        ov.start_run()
+        sigmas = args[3] if len(args) > 3 else kwargs.get("sigmas")
+        ov.start_run(sigmas)
         try:
             return executor(*args, **kwargs)
         finally:

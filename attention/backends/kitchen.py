@@ -42,6 +42,6 @@ REGISTRY.register(
         layouts=("HND",),
         probe=_probe,
         description="comfy-kitchen INT8 attention (any head dim <= 256, masks)",
-        quantized=True,
+        accuracy="8bit",
     )
 )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import inspect
+
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -18,8 +20,19 @@ def _run(q, k, v, *, mask, scale, gqa):
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale, **kw)
 
 
+# ComfyUI's own attention (comfy.ops.scaled_dot_product_attention) pins this kernel priority on CUDA; PyTorch's
+# default order puts FlashAttention-2 first.  `sdpa` follows the host, so it runs what an unpatched model runs.
+HOST_PRIORITY = [getattr(SDPBackend, n) for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
+                 if hasattr(SDPBackend, n)]
+_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
+
+
 def sdpa(q, k, v, *, layout, mask, scale, opts):
-    return _run(q, k, v, mask=mask, scale=scale, gqa=q.shape[1] != k.shape[1])
+    gqa = q.shape[1] != k.shape[1]
+    if q.is_cuda and _SET_PRIORITY:
+        with sdpa_kernel(HOST_PRIORITY, set_priority=True):
+            return _run(q, k, v, mask=mask, scale=scale, gqa=gqa)
+    return _run(q, k, v, mask=mask, scale=scale, gqa=gqa)
 
 
 def _forced(kernel: SDPBackend):
@@ -51,7 +64,7 @@ REGISTRY.register(
         constraints=(DTypes(ALL), Masks(("bool", "float")), GroupedQuery(True)),
         layouts=("HND",),
         probe=_torch_probe,
-        description="PyTorch SDPA, PyTorch picks the kernel (the reference and last fallback)",
+        description="PyTorch SDPA with ComfyUI's kernel priority (cuDNN, flash, efficient, math): the reference and last fallback",
     )
 )
 

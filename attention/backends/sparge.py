@@ -86,7 +86,7 @@ def _entry(name, fn_name, defaults, description):
             layouts=("HND", "NHD"),
             probe=import_probe("spas_sage_attn", attr=fn_name),
             description=description,
-            quantized=True,
+            accuracy="sparse",
             options=dict(defaults),
         )
     )
