@@ -1,0 +1,156 @@
+"""The override's promises on one call, without ComfyUI: precision requests, the NaN net outside a forward, the
+free dense path, the audit of an explicitly chosen lossy kernel, and auto's re-check during a run."""
+
+import logging
+
+import pytest
+import torch
+from conftest import capture, cos_rel, sdpa_ref
+from pack import load
+
+P = load()
+A = P.attention
+patch = P.nodes.patch
+
+
+@pytest.fixture
+def backends():
+    added = []
+
+    def add(name, fn, accuracy="8bit"):
+        A.REGISTRY.register(A.Backend(name=name, family="test", fn=fn, constraints=(), probe=lambda: A.Availability(True),
+                                      accuracy=accuracy))
+        added.append(name)
+        A.dispatch.clear_plan_cache()
+
+    yield add
+    for n in added:
+        A.REGISTRY.unregister(n)
+    A.dispatch.clear_plan_cache()
+    A.dispatch.reset_warnings()
+
+
+def _sdpa(q, k, v, scale):
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+
+
+def _qkv(n=32, heads=2, d=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(1, n, heads * d, generator=g) for _ in range(3)]
+
+
+def host_attention_pytorch():
+    """A stand-in with the name and module of ComfyUI's attention_pytorch, counting its calls."""
+    calls = []
+
+    def attention_pytorch(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                          **kwargs):
+        calls.append(kwargs.get("transformer_options"))
+        return sdpa_ref(q, k, v, heads, mask).to(q.dtype)
+
+    attention_pytorch.__module__ = "comfy.ldm.modules.attention"
+    return attention_pytorch, calls
+
+
+def test_sdpa_and_dense_calls_go_to_comfyuis_own_function():
+    func, calls = host_attention_pytorch()
+    q, k, v = _qkv()
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="sdpa"))
+    out = ov(func, q, k, v, 2, transformer_options={"x": 1})
+    assert len(calls) == 1 and calls[0] == {"x": 1} and ov.config.stats.calls == {"comfyui": 1}
+    assert cos_rel(out, sdpa_ref(q, k, v, 2))[1] < 1e-6
+    # a function that is not one of ComfyUI's exact ones (e.g. --use-sage-attention's) is not trusted for dense calls
+    other = patch.AttentionOverride(A.AttentionConfig(backend="sdpa"))
+    other(lambda *a, **kw: pytest.fail("called"), q, k, v, 2, transformer_options={})
+    assert other.config.stats.calls == {"sdpa": 1}
+
+
+@pytest.mark.parametrize("request_kw", [{"low_precision_attention": False}, {"attn_precision": torch.float32}])
+def test_full_precision_request_never_runs_on_a_lossy_kernel(backends, request_kw):
+    backends("t_lossy", lambda q, k, v, *, layout, mask, scale, opts: pytest.fail("lossy kernel ran"))
+    func, calls = host_attention_pytorch()
+    q, k, v = _qkv()
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_lossy"), audit=False)
+    out = ov(func, q, k, v, 2, transformer_options={}, **request_kw)
+    assert len(calls) == 1 and cos_rel(out, sdpa_ref(q, k, v, 2))[1] < 1e-6
+    assert ov.config.stats.fallbacks[("t_lossy", "sdpa", "full precision requested by the model")] == 1
+    # an exact backend keeps such calls
+    exact = patch.AttentionOverride(A.AttentionConfig(backend="sdpa_math"))
+    exact(func, q, k, v, 2, transformer_options={}, **request_kw)
+    assert exact.config.stats.calls == {"sdpa_math": 1}
+
+
+def test_nan_outside_a_forward_is_caught_at_once(backends):
+    backends("t_nan", lambda q, k, v, *, layout, mask, scale, opts: torch.full_like(q, float("nan")))
+    q, k, v = _qkv()
+    cfg = A.AttentionConfig(backend="t_nan", check_finite="deferred")  # as the node configures it
+    ov = patch.AttentionOverride(cfg, audit=False)
+    out = ov(None, q, k, v, 2, transformer_options={})  # no APPLY_MODEL wrapper around this call
+    assert torch.isfinite(out).all() and cos_rel(out, sdpa_ref(q, k, v, 2))[1] < 1e-6
+    assert cfg.stats.calls == {"sdpa": 1} and ("t_nan", "sdpa", "non-finite output") in cfg.stats.fallbacks
+    assert not cfg._pending  # nothing deferred that nobody would read
+
+
+def test_an_explicit_lossy_kernel_beyond_the_gate_is_logged_once_with_its_error(backends):
+    def noisy(q, k, v, *, layout, mask, scale, opts):
+        o = _sdpa(q, k, v, scale)
+        return o + 0.5 * o.std() * torch.randn_like(o)
+
+    backends("t_noisy", noisy)
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_noisy"))
+    q, k, v = _qkv()
+    with capture("patch_attention.nodes") as recs:
+        for _ in range(3):
+            ov(None, q, k, v, 2, transformer_options={})
+    warns = [r.getMessage() for r in recs if r.levelno == logging.WARNING]
+    assert len(warns) == 1 and "t_noisy on attention layer 0" in warns[0] and "beyond auto's gate" in warns[0]
+    m = ov.config.stats.as_dict()["metrics"]
+    assert m["t_noisy@first-call.rel_l1_vs_fp32"]["n"] == 1 and m["t_noisy@first-call.rel_l1_vs_fp32"]["mean"] > 0.08
+
+
+def test_an_accurate_lossy_kernel_is_audited_silently(backends):
+    backends("t_fine", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, scale))
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_fine"))
+    q, k, v = _qkv()
+    with capture("patch_attention.nodes") as recs:
+        ov(None, q, k, v, 2, transformer_options={})
+    assert not [r for r in recs if r.levelno >= logging.WARNING]
+    assert ov.config.stats.as_dict()["metrics"]["t_fine@first-call.cos_vs_fp32"]["mean"] > 0.9999
+
+
+def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends):
+    drift = {"on": False}
+
+    def drifting(q, k, v, *, layout, mask, scale, opts):
+        o = _sdpa(q, k, v, scale)
+        return o + 0.5 * o.std() * torch.randn_like(o) if drift["on"] else o
+
+    backends("t_drift", drifting)
+    sel = A.AutoSelector(timer=lambda name, fn, dev: {"sdpa": 2.0, "t_drift": 1.0}[name],
+                         exclude={n for n in A.REGISTRY.names() if n not in ("sdpa", "t_drift")})
+    cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
+    ov = patch.AttentionOverride(cfg)
+    fw, sw = patch._ForwardWrapper(ov), patch._SampleWrapper(ov)
+    q, k, v = _qkv()
+    sigmas = torch.tensor([10.0, 7.0, 4.0, 2.0, 0.0])  # steps at 10, 7, 4, 2: mid = 4, last = 2
+    seen = []
+
+    def run(*args):
+        for s in sigmas[:-1]:
+            if float(s) == 7.0:
+                drift["on"] = True  # attention changes after the first steps
+            out = fw(lambda x, t: ov(None, q, k, v, 2, transformer_options={}), None, s.reshape(1))
+            seen.append(cos_rel(out, sdpa_ref(q, k, v, 2))[1])
+
+    sw(run, None, None, None, sigmas)
+    assert sel.decisions and list(sel.decisions.values()) == ["t_drift"]
+    assert seen[0] < 1e-5 and seen[1] > 0.1  # step 2 ran the drifted kernel: nothing checks between the gates
+    assert seen[2] < 1e-5 and seen[3] < 1e-5  # mid step: failed the re-check, redone dense, dense from then on
+    d = cfg.stats.as_dict()
+    assert "t_drift failed the gate at the mid step" in next(iter(d["auto"].values()))
+    assert d["metrics"]["t_drift@recheck-mid.rel_l1_vs_fp32"]["mean"] > 0.08
+    # the next run starts from the tuned choice again
+    drift["on"] = False
+    seen.clear()
+    sw(run, None, None, None, sigmas)
+    assert cfg.stats.calls["t_drift"] >= 1
