@@ -257,6 +257,80 @@ BENCH = Node(
 )
 
 
+# ---------------------------------------------------------------- Attention Benchmark (end to end)
+
+def _sampling_options():
+    try:
+        import comfy.samplers
+
+        return list(comfy.samplers.KSampler.SAMPLERS), list(comfy.samplers.KSampler.SCHEDULERS)
+    except Exception:  # outside ComfyUI (tests of the node contract)
+        return ["euler"], ["simple"]
+
+
+def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0, sampler_name="euler", scheduler="simple",
+                      seed=0, rows="all", peers=True, compile=False):
+    from . import e2e
+
+    chosen = [r.strip() for r in rows.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
+    if chosen:
+        known = set(e2e.default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names()}
+        unknown = [r for r in chosen if r not in known and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
+        if unknown:
+            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, a backend name, or peer:<backend>")
+    row_list = chosen or e2e.default_rows(peers=peers)
+    job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
+                  scheduler=scheduler, seed=seed, label=type(model.model.diffusion_model).__name__)
+    bar = None
+    try:
+        import comfy.utils
+
+        bar = comfy.utils.ProgressBar(len(row_list))
+    except Exception:
+        pass
+    from tqdm import tqdm
+
+    with tqdm(total=len(row_list), desc="end-to-end benchmark", unit="row") as t:
+        def progress(r):
+            t.set_postfix_str(r["row"])
+            t.update(1)
+            if bar is not None:
+                bar.update(1)
+
+        results = e2e.measure(job, row_list, compile=compile, progress=progress)
+    return (e2e.render_markdown(results, f"{steps} {sampler_name}/{scheduler} steps per row after a 1-step warm-up, "
+                                         f"cfg {cfg}; final latent compared with the unpatched model's"),)
+
+
+SAMPLERS, SCHEDULERS = _sampling_options()
+
+BENCH_E2E = Node(
+    node_id="AttentionBenchmarkE2E",
+    display_name="Attention Benchmark (end to end)",
+    description="Samples your model with your conditioning and latent once per attention backend (and unpatched, auto, "
+                "and peer patches that call a kernel straight from ComfyUI's hook): seconds per step, speed against "
+                "unpatched, how far each final latent is from the unpatched one, peak VRAM, which kernels ran. "
+                "Real weights are where sparse and 8-bit kernels show their real error. Takes a while: rows x (steps+1).",
+    inputs=[
+        In("model", "MODEL"),
+        In("positive", "CONDITIONING", None, "Your positive conditioning (as into your KSampler)."),
+        In("negative", "CONDITIONING", None, "Your negative conditioning."),
+        In("latent_image", "LATENT", None, "Your latent (its size sets the attention shapes)."),
+        In("steps", "INT", 4, "Timed steps per row (one warm-up step runs first).", min=1, max=100, step=1),
+        In("cfg", "FLOAT", 5.0, "CFG scale, as in your KSampler.", min=0.0, max=100.0, step=0.1),
+        In("sampler_name", "COMBO", "euler", "Sampler.", options=SAMPLERS),
+        In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),
+        In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
+        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, backend names, peer:<backend>."),
+        In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
+        In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),
+    ],
+    outputs=[("STRING", "report")],
+    fn=run_benchmark_e2e,
+    output_node=True,
+)
+
+
 # ---------------------------------------------------------------- Attention Backends Info
 
 def info_text() -> str:
@@ -293,4 +367,4 @@ INFO = Node(
     output_node=True,
 )
 
-NODES = [PATCH, SPARGE, TUNE, INFO, BENCH]
+NODES = [PATCH, SPARGE, TUNE, INFO, BENCH, BENCH_E2E]

@@ -11,6 +11,10 @@ def _input(i):
     common = {"optional": i.optional, "tooltip": i.tooltip or None}
     if i.kind == "MODEL":
         return io.Model.Input(i.name, **common)
+    if i.kind == "CONDITIONING":
+        return io.Conditioning.Input(i.name, **common)
+    if i.kind == "LATENT":
+        return io.Latent.Input(i.name, **common)
     if i.kind == "COMBO":
         return io.Combo.Input(i.name, options=list(i.options), default=i.default, **common)
     if i.kind == "BOOLEAN":

@@ -264,3 +264,34 @@ def test_nan_from_a_quantized_kernel_on_a_zeroed_prompt_is_redone_dense(pack):
         assert not torch.isfinite(sample(off, "sd", steps=2, cfg=2.0)).all()  # what the check prevents
     finally:
         A.REGISTRY.unregister("t_sage_like")
+
+
+def test_end_to_end_benchmark_node_on_a_real_model(pack):
+    """The node samples the user's model once per row: unpatched first, ratios and latent error against it."""
+    mod, mappings = pack
+    from comfyui_support import flux_conds
+
+    pos, neg = flux_conds()
+    latent = {"samples": torch.zeros(1, 16, 16, 16)}
+    report = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg, latent_image=latent,
+                      steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0,
+                      rows="unpatched, sdpa, sdpa_math, auto, peer:sdpa_math", peers=True, compile=False)[0]
+    lines = [ln for ln in report.splitlines() if ln.startswith("| Flux |")]
+    assert [ln.split(" | ")[1] for ln in lines] == ["unpatched", "sdpa", "sdpa_math", "auto", "peer:sdpa_math"]
+    for ln in lines:  # every row exact here: the same latent as unpatched
+        cos, rel_l1 = (float(x) for x in ln.split(" | ")[4].split(" / "))
+        assert cos > 0.99999 and rel_l1 < 1e-4
+    assert "comfyui 100%" in lines[1] and "sdpa_math 100%" in lines[2] and "×1.000" in lines[0]
+    with pytest.raises(ValueError, match="unknown row"):
+        run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg, latent_image=latent,
+                 steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0, rows="nope", peers=True, compile=False)
+
+
+def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
+    mod, _ = pack
+    e2e = mod.nodes.e2e
+    base = tiny_flux()
+    ref = sample(base)
+    m = e2e.make_row_model(base, "peer:sdpa_math")
+    assert rel(sample(m), ref) < 1e-4
+    assert mod.nodes.patch.override_of(m) is None  # not Patch Attention's override: a bare function in the hook

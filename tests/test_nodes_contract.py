@@ -28,7 +28,7 @@ def test_pack_exports_nodes_under_any_folder_name():
     # without comfy_api the classic mappings are exported; with it, only comfy_entrypoint
     if P.nodes.comfy_entrypoint is None:
         assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "TuneSpargeAttn", "AttentionBackendsInfo",
-                                              "AttentionBenchmark"}
+                                              "AttentionBenchmark", "AttentionBenchmarkE2E"}
     else:
         assert callable(P.comfy_entrypoint)
 

@@ -1,0 +1,114 @@
+"""End-to-end benchmark on ComfyUI's own model classes at full size (random bf16 weights), on a CUDA GPU.
+
+    cd ComfyUI/custom_nodes/ComfyUI-PatchAttention
+    python bench_e2e.py --preset wan-1.3b --preset flux-dev --steps 4 --md e2e.md --json e2e.json --png e2e.png
+    python bench_e2e.py --preset sdxl --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto --compile
+
+Rows: unpatched (ComfyUI's own attention), every usable backend, auto, and peer:<kernel> (the kernel called straight
+from ComfyUI's hook, as other packs do).  Finds ComfyUI through COMFYUI_PATH or as the ComfyUI this pack sits in.
+On your own model, with real weights, use the "Attention Benchmark (end to end)" node instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _comfyui() -> str:
+    path = os.environ.get("COMFYUI_PATH") or os.path.dirname(os.path.dirname(HERE))
+    if not os.path.exists(os.path.join(path, "comfy", "model_base.py")):
+        sys.exit("bench_e2e: no ComfyUI found: set COMFYUI_PATH, or run this from ComfyUI/custom_nodes/<this pack>")
+    return path
+
+
+def _load_pack():
+    name = "patch_attention_pack"
+    spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "__init__.py"), submodule_search_locations=[HERE])
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b (repeatable; default all)")
+    ap.add_argument("--rows", default="", help="comma-separated rows (default: every usable backend, auto and peers)")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--compile", action="store_true", help="also run every row under torch.compile (inductor)")
+    ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
+    a = ap.parse_args(argv)
+
+    sys.path.insert(0, _comfyui())
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.disable_smart_memory = True  # every row on the same resident weights
+    import torch
+    from tqdm import tqdm
+
+    pack = _load_pack()
+    e2e = pack.nodes.e2e
+    if not torch.cuda.is_available():
+        sys.exit("bench_e2e: needs a CUDA GPU")
+    presets = a.preset or list(e2e.PRESETS)
+    rows = [r.strip() for r in a.rows.split(",") if r.strip()] or e2e.default_rows(peers=not a.no_peers)
+    modes = [False, True] if a.compile else [False]
+    results = []
+    bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
+    for preset in presets:
+        job = e2e.build_preset(preset)
+        job.steps = a.steps
+        for compile in modes:
+            results += e2e.measure(job, rows, compile=compile,
+                                   progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
+        del job
+        torch.cuda.empty_cache()
+    bar.close()
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "steps": a.steps, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
+    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
+              f"weights · euler, {a.steps} timed steps after a 1-step warm-up · ratios within this run\n\n"
+              + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+    md = e2e.render_markdown(results, header)
+    print(md)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(md + "\n")
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"meta": meta, "rows": results}, f, indent=1)
+    if a.png:
+        plot(results, a.png, meta)
+
+
+def plot(rows, path, meta):
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    fig, axes = plt.subplots(len(presets), 1, figsize=(9, 0.32 * len(rows) + 1.5 * len(presets)), squeeze=False)
+    for ax, p in zip(axes[:, 0], presets):
+        rs = [r for r in rows if r["preset"] == p and "vs_unpatched" in r]
+        ax.barh([r["row"] for r in rs], [r["vs_unpatched"] for r in rs],
+                color=["#888" if r["row"].startswith("unpatched") else "#c66" if r["row"].startswith("peer:") else "#369" for r in rs])
+        ax.axvline(1.0, color="k", lw=0.8)
+        ax.invert_yaxis()
+        ax.set_title(f"{p}: speed vs unpatched (higher is faster)", fontsize=9)
+        ax.tick_params(labelsize=7)
+    fig.suptitle(f"{meta['gpu']} · torch {meta['torch']} · {meta['date']}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()

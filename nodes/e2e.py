@@ -1,0 +1,259 @@
+"""End-to-end benchmark: real ComfyUI sampling, unpatched against every backend, ``auto`` and peer patches.
+
+One row per way of running attention, all in one process on one model: the unpatched model (ComfyUI's own
+attention); Patch Attention with each backend; ``auto``; and ``peer:<kernel>``, an override that calls the kernel
+straight from ComfyUI's hook with nothing else (what other node packs do), the yardstick for our dispatch cost.
+Columns: seconds per step (a warm-up run first: compile, tuning and kernel loading stay out), ratio to unpatched,
+cosine and relative L1 of the final latent against the unpatched one, peak VRAM, and which kernels ran.
+
+Used by the Attention Benchmark (end to end) node on the user's model and by ``bench_e2e.py`` on ComfyUI's model
+classes at full size with random weights (``PRESETS``).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..attention import REGISTRY
+from ..attention.auto import accuracy
+from .patch import override_of, patch_model
+
+log = logging.getLogger("patch_attention.e2e")
+
+UNPATCHED = "unpatched"
+PEER = "peer:"
+
+
+# ---------------------------------------------------------------- rows
+
+def peer_override(backend_name: str):
+    """An override that calls one kernel straight from ComfyUI's hook, as other packs patch: a view to the kernel's
+    layout, the call, a reshape back; ComfyUI's own function for a call shape the kernel refused once."""
+    b = REGISTRY.get(backend_name)
+    refused = set()
+
+    def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                 **kwargs):
+        key = (q.shape, k.shape)
+        if mask is None and key not in refused:
+            try:
+                return _call(q, k, v, heads, skip_reshape, skip_output_reshape)
+            except Exception:
+                refused.add(key)
+        return func(q, k, v, heads, mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                    skip_output_reshape=skip_output_reshape, **kwargs)
+
+    def _call(q, k, v, heads, skip_reshape, skip_output_reshape):
+        bsz = q.shape[0]
+        if skip_reshape:
+            layout, d = "HND", q.shape[-1]
+        else:
+            d = q.shape[-1] // heads
+            q, k, v = (t.view(bsz, -1, heads, d) for t in (q, k, v))
+            layout = "NHD"
+        kl = layout if layout in b.layouts else b.layouts[0]
+        if kl != layout:
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        out = b.fn(q, k, v, layout=kl, mask=None, scale=d ** -0.5, opts=b.options)
+        if isinstance(out, tuple):
+            out = out[0]
+        if kl == "NHD":
+            return out.transpose(1, 2) if skip_output_reshape else out.reshape(bsz, -1, heads * out.shape[-1])
+        return out if skip_output_reshape else out.transpose(1, 2).reshape(bsz, -1, heads * out.shape[-1])
+
+    return override
+
+
+def make_row_model(model, row: str):
+    """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention), or peer:<kernel>."""
+    if row == UNPATCHED:
+        return model.clone()
+    if row.startswith(PEER):
+        m = model.clone()
+        m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = peer_override(row[len(PEER):])
+        return m
+    return patch_model(model, row, auto_retune=True)
+
+
+def default_rows(peers=True) -> list[str]:
+    """Every backend usable here (but the slow math reference), auto, and a peer row per non-SDPA kernel."""
+    usable = [b.name for b in REGISTRY.backends() if b.available and b.name != "sdpa_math"]
+    rows = [UNPATCHED, *usable, "auto"]
+    if peers:
+        rows += [PEER + n for n in usable if REGISTRY.get(n).family != "sdpa"]
+    return rows
+
+
+# ---------------------------------------------------------------- measuring
+
+@dataclass
+class Job:
+    """What to sample: the model and its inputs (ComfyUI's conditioning lists, latent tensor)."""
+
+    model: object
+    positive: list
+    negative: list
+    latent: torch.Tensor
+    steps: int = 4
+    cfg: float = 1.0
+    sampler: str = "euler"
+    scheduler: str = "simple"
+    seed: int = 0
+    label: str = ""
+    extra: dict = field(default_factory=dict)
+
+
+def _sample(model, job: Job, steps: int):
+    import comfy.sample
+
+    noise = torch.randn(job.latent.shape, generator=torch.Generator().manual_seed(job.seed), dtype=torch.float32)
+    return comfy.sample.sample(model, noise, steps, job.cfg, job.sampler, job.scheduler, job.positive, job.negative,
+                               job.latent, disable_pbar=True, seed=job.seed)
+
+
+def _sync():
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def kernels_that_ran(model) -> str:
+    ov = override_of(model)
+    if ov is None:
+        return ""
+    calls = ov.config.stats.calls
+    total = sum(calls.values()) or 1
+    return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
+
+
+def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 1, progress=None) -> list[dict]:
+    """Sample ``job`` once per row (after a warm-up run), unpatched first; returns one dict per row."""
+    if rows[0] != UNPATCHED:
+        rows = [UNPATCHED, *[r for r in rows if r != UNPATCHED]]
+    out_rows, ref = [], None
+    for row in rows:
+        r = {"row": row + (" +compile" if compile else ""), "preset": job.label, "steps": job.steps, "compile": compile}
+        try:
+            m = make_row_model(job.model, row)
+            if compile:
+                from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+                set_torch_compile_wrapper(m, backend="inductor")
+            t0 = time.perf_counter()
+            _sample(m, job, warmup_steps)  # loads, compiles, tunes auto, loads kernels
+            _sync()
+            r["warmup_s"] = round(time.perf_counter() - t0, 3)
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            t0 = time.perf_counter()
+            lat = _sample(m, job, job.steps)
+            _sync()
+            r["s_per_step"] = (time.perf_counter() - t0) / job.steps
+            if torch.cuda.is_available():
+                r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
+            lat = lat.float()
+            r["finite"] = bool(torch.isfinite(lat).all())
+            if ref is None:
+                ref = lat
+            r["cos"], r["rel_l1"] = accuracy(lat, ref)
+            r["kernels"] = kernels_that_ran(m) or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
+            ov = override_of(m)
+            if ov is not None and ov.config.stats.decisions:
+                r["auto"] = "; ".join(sorted(set(str(v).split(" [")[0] for v in ov.config.stats.decisions.values())))
+            del m
+        except Exception as e:  # one row's failure is a row in the table, not the end of the benchmark
+            r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
+            log.warning("e2e %s %s: %s", job.label, row, r["error"])
+        out_rows.append(r)
+        if progress is not None:
+            progress(r)
+    base = next((x["s_per_step"] for x in out_rows if x["row"].startswith(UNPATCHED) and "s_per_step" in x), None)
+    for x in out_rows:
+        if base and "s_per_step" in x:
+            x["vs_unpatched"] = round(base / x["s_per_step"], 3)
+    return out_rows
+
+
+def render_markdown(rows: list[dict], header: str = "") -> str:
+    lines = [header, ""] if header else []
+    lines += ["| preset | row | s/step | speed vs unpatched | cos / rel-L1 vs unpatched | peak VRAM GiB | kernels that ran |",
+              "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | | | | |")
+            continue
+        kern = r.get("kernels", "") + (f" (auto: {r['auto']})" if r.get("auto") else "")
+        lines.append(f"| {r['preset']} | {r['row']} | {r['s_per_step']:.4f} | ×{r.get('vs_unpatched', 0):.3f} | "
+                     f"{r['cos']:.5f} / {r['rel_l1']:.4f}{'' if r['finite'] else ' NaN'} | {r.get('peak_gib', '')} | {kern} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------- presets: ComfyUI's classes at full size
+
+SD15 = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True, "legacy": False,
+        "adm_in_channels": None, "in_channels": 4, "model_channels": 320, "num_res_blocks": [2, 2, 2, 2],
+        "transformer_depth": [1, 1, 1, 1, 1, 1, 0, 0], "channel_mult": [1, 2, 4, 4], "transformer_depth_middle": 1,
+        "use_linear_in_transformer": False, "context_dim": 768, "num_heads": 8,
+        "transformer_depth_output": [1, 1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0], "use_temporal_attention": False,
+        "use_temporal_resblock": False}
+SDXL = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spatial_transformer": True, "legacy": False,
+        "num_classes": "sequential", "adm_in_channels": 2816, "in_channels": 4, "model_channels": 320,
+        "num_res_blocks": [2, 2, 2], "transformer_depth": [0, 0, 2, 2, 10, 10], "channel_mult": [1, 2, 4],
+        "transformer_depth_middle": 10, "use_linear_in_transformer": True, "context_dim": 2048, "num_head_channels": 64,
+        "transformer_depth_output": [0, 0, 0, 2, 2, 2, 10, 10, 10], "use_temporal_attention": False,
+        "use_temporal_resblock": False}
+FLUX_DEV = {"image_model": "flux", "in_channels": 16, "out_channels": 16, "vec_in_dim": 768, "context_in_dim": 4096,
+            "hidden_size": 3072, "mlp_ratio": 4.0, "num_heads": 24, "depth": 19, "depth_single_blocks": 38,
+            "axes_dim": [16, 56, 56], "theta": 10000, "patch_size": 2, "qkv_bias": True, "guidance_embed": True}
+WAN = {"image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "freq_dim": 256, "window_size": (-1, -1),
+       "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "out_dim": 16}
+WAN_1_3B = {**WAN, "dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30}
+WAN_14B = {**WAN, "dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40}
+
+# name: (supported_models class, unet config, latent shape, context shape, pooled width or None, cfg, description)
+PRESETS = {
+    "sd15": ("SD15", SD15, (1, 4, 64, 64), (1, 77, 768), None, 7.0, "SD1.5, 512x512, CFG batch"),
+    "sdxl": ("SDXL", SDXL, (1, 4, 128, 128), (1, 77, 2048), 1280, 7.0, "SDXL, 1024x1024, CFG batch"),
+    "flux-dev": ("Flux", FLUX_DEV, (1, 16, 128, 128), (1, 512, 4096), 768, 1.0, "Flux-dev, 1024x1024, guidance 3.5"),
+    "wan-1.3b": ("WAN21_T2V", WAN_1_3B, (1, 16, 21, 60, 104), (1, 512, 4096), None, 5.0,
+                 "Wan 2.1 1.3B t2v, 480p (832x480), 81 frames, CFG batch"),
+    "wan-14b": ("WAN21_T2V", WAN_14B, (1, 16, 21, 60, 104), (1, 512, 4096), None, 5.0,
+                "Wan 2.1 14B t2v, 480p (832x480), 81 frames, CFG batch"),
+}
+
+
+def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0) -> Job:
+    """ComfyUI's model class for ``name`` at full size with random weights (fan-in scaled, norms at one), on ``device``."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+
+    cls, unet, latent, ctx, pooled, cfg, desc = PRESETS[name]
+    mc = getattr(sm, cls)(dict(unet))
+    mc.set_inference_dtype(dtype, None)
+    model = mc.get_model({}, device=device)
+    g = torch.Generator(device=device).manual_seed(seed)
+    with torch.no_grad():
+        for pname, p in model.named_parameters():
+            if p.ndim >= 2:
+                fan_in = p[0].numel()
+                p.copy_(torch.randn(p.shape, generator=g, device=device, dtype=torch.float32).mul_(fan_in ** -0.5))
+            elif pname.endswith("weight") or pname.endswith("scale"):
+                p.fill_(1.0)
+            else:
+                p.zero_()
+    dev = torch.device(device)
+    patcher = comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=dev)
+    gc = torch.Generator().manual_seed(seed + 1)
+    extra = {}
+    if pooled:
+        extra["pooled_output"] = torch.randn(1, pooled, generator=gc)
+    if name == "sdxl":
+        extra.update(width=1024, height=1024, target_width=1024, target_height=1024)
+    # a text negative prompt, as these models' workflows use (a zeroed one makes SageAttention return NaN: the
+    # redo that Patch Attention then runs is a correctness path, measured in the contract matrix, not here)
+    pos = [[torch.randn(ctx, generator=gc), dict(extra)]]
+    neg = [[torch.randn(ctx, generator=gc), {k: (torch.randn_like(v) if torch.is_tensor(v) else v) for k, v in extra.items()}]]
+    return Job(patcher, pos, neg, torch.zeros(latent), cfg=cfg, label=name, extra={"description": desc})
