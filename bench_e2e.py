@@ -44,6 +44,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--compile", action="store_true", help="also run every row under torch.compile (inductor)")
     ap.add_argument("--no-peers", action="store_true")
+    ap.add_argument("--profile", action="store_true", help="also profile one step per row (top device kernels, in --json)")
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
     a = ap.parse_args(argv)
 
@@ -67,7 +68,7 @@ def main(argv=None):
         job = e2e.build_preset(preset)
         job.steps = a.steps
         for compile in modes:
-            results += e2e.measure(job, rows, compile=compile,
+            results += e2e.measure(job, rows, compile=compile, profile=a.profile,
                                    progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
         del job
         torch.cuda.empty_cache()
@@ -78,6 +79,11 @@ def main(argv=None):
               f"weights · euler, {a.steps} timed steps after a 1-step warm-up · ratios within this run\n\n"
               + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     md = e2e.render_markdown(results, header)
+    if a.profile:
+        md += "\n\nTop device kernels of one profiled step per row (ms, calls):\n"
+        for r in results:
+            if r.get("profile"):
+                md += f"\n- {r['preset']} {r['row']}: " + "; ".join(f"{n} {ms} ms x{c}" for n, ms, c in r["profile"])
     print(md)
     if a.md:
         with open(a.md, "w") as f:

@@ -129,8 +129,22 @@ def kernels_that_ran(model) -> str:
     return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
 
 
-def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 1, progress=None) -> list[dict]:
-    """Sample ``job`` once per row (after a warm-up run), unpatched first; returns one dict per row."""
+def profile_step(model, job: Job, top: int = 8) -> list:
+    """One step under torch.profiler: the ``top`` device kernels by total time, [(name, ms, calls)]."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        _sample(model, job, 1)
+        _sync()
+    rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
+    rows.sort(key=lambda e: -e.self_device_time_total)
+    return [(e.key[:90], round(e.self_device_time_total / 1000, 3), e.count) for e in rows[:top]]
+
+
+def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 1, progress=None,
+            profile: bool = False) -> list[dict]:
+    """Sample ``job`` once per row (after a warm-up run), unpatched first; returns one dict per row.
+    ``profile``: also one profiled step per row (top device kernels, in ``row["profile"]``)."""
     if rows[0] != UNPATCHED:
         rows = [UNPATCHED, *[r for r in rows if r != UNPATCHED]]
     out_rows, ref = [], None
@@ -159,6 +173,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             if ref is None:
                 ref = lat
             r["cos"], r["rel_l1"] = accuracy(lat, ref)
+            if profile:
+                r["profile"] = profile_step(m, job)
             r["kernels"] = kernels_that_ran(m) or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
             ov = override_of(m)
             if ov is not None and ov.config.stats.decisions:

@@ -94,6 +94,11 @@ def is_host_exact(func) -> bool:
     return getattr(func, "__name__", None) in HOST_EXACT and getattr(func, "__module__", "") == "comfy.ldm.modules.attention"
 
 
+def _same_heads(q, k) -> bool:
+    """ComfyUI's own functions take no grouped-query call (fewer key heads): those stay with the dispatcher."""
+    return q.shape[-1] == k.shape[-1] and (q.ndim == 3 or q.shape[1] == k.shape[1])
+
+
 def wants_full_precision(a, rest) -> bool:
     """The model asked for full-precision attention on this call (newer ComfyUI passes
     ``low_precision_attention=False`` where 8-bit is unsafe; ``attn_precision=torch.float32`` is the older way)."""
@@ -198,7 +203,7 @@ class AttentionOverride:
         if precise and not dense and not self.exact:
             dense = True
             self.config.stats.count_fallback(self.config.backend, "sdpa", "full precision requested by the model")
-        if (dense or self.passthrough) and func is not None and is_host_exact(func):
+        if (dense or self.passthrough) and func is not None and is_host_exact(func) and _same_heads(a["q"], a["k"]):
             self.config.stats.count_call(HOST)
             return func(*args, **kwargs)
         cfg = self.dense if dense else self.config

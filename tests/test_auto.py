@@ -141,3 +141,14 @@ def test_tuning_time_is_bounded(temp_backend):
     assert calls == ["sdpa"] and cfg.stats.calls == {"sdpa": 1}  # the baseline is measured first, always
     [why] = cfg.stats.decisions.values()
     assert "t_late: not measured: tuning budget of 0 s spent" in why
+
+
+def test_accuracy_is_exact_on_millions_of_equal_elements():
+    """fp32 cosine_similarity over 4M elements reads 1.00028 for identical inputs; the gate must not see that."""
+    from attention.auto import accuracy
+
+    a = torch.randn(64).repeat(65536)
+    cos, rel = accuracy(a, a.clone())
+    assert abs(cos - 1.0) < 1e-9 and rel == 0.0
+    cos, rel = accuracy(a, -a)
+    assert abs(cos + 1.0) < 1e-9 and abs(rel - 2.0) < 1e-9

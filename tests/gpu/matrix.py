@@ -1,12 +1,17 @@
-"""Correctness matrix of every installed backend against fp32 SDPA (run on a GPU).
+"""GPU contract matrix: every installed backend, called through the override ComfyUI calls, against fp32 attention.
 
-    python tests/gpu/matrix.py --out results.json [--md results.md]
+    python tests/gpu/matrix.py --out contract.json --md contract.md [--backends a,b] [--quick]
 
-Head dims 40..256, bf16/fp16/fp32, no mask / bool / additive float masks,
-self- and cross-attention (77/256/512 keys), both ComfyUI layouts.  Each case
-is called with fallback off, so a number is the backend's own; a refusal by
-its declared constraints is counted as such, and an error inside a call that
-its constraints accepted is a finding.
+Each call goes through ``AttentionOverride`` exactly as ComfyUI's ``wrap_attn`` calls it (ComfyUI's own
+``attention_pytorch`` as ``func`` when COMFYUI_PATH is set), configured as the Patch Attention node configures it
+(fallback on, deferred NaN check), outside a model forward.  For every case the backend that actually ran is read
+from the statistics, and its output must stay inside that backend's declared accuracy class
+(``attention.registry.ACCURACY``) against fp32 attention; NaN in the reference must be NaN in the output and
+nowhere else.  A case outside its class, or an exception, is a violation: the script lists them and exits 1.
+
+Cases: head dims 32-256; bf16/fp16/fp32; ComfyUI's two layouts; masks (none; bool and additive; 2-D, 3-D, 4-D;
+broadcast over batch or heads); self-attention and cross-attention to 77 and 1 keys; 1 query token; long sequences;
+equal keys (a zeroed prompt); NaN in the inputs; grouped-query heads.
 """
 
 from __future__ import annotations
@@ -22,127 +27,195 @@ from collections import defaultdict
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))  # tests/ (pack loader)
+from pack import load  # noqa: E402
 
-from attention import REGISTRY, AttentionConfig, BackendUnavailableError, attention  # noqa: E402
-from attention.auto import accuracy  # noqa: E402
-from attention.inputs import structured_qkv  # noqa: E402
-from attention.reference import reference_attention  # noqa: E402
+P = load()
+A = P.attention
 
-HEAD_DIMS = (40, 64, 72, 80, 96, 128, 160, 256)
+HEAD_DIMS = (32, 40, 64, 72, 80, 96, 128, 160, 256)
 DTYPES = (torch.bfloat16, torch.float16, torch.float32)
-MASKS = (None, "bool", "float")
-KV = ("self", 77, 256, 512)
-LAYOUTS = (False, True)  # skip_reshape
 
 
-def make_mask(kind, b, nq, nk, device, dtype):
+def host_func(device):
+    path = os.environ.get("COMFYUI_PATH")
+    if not path:
+        return None
+    sys.path.insert(0, path)
+    from comfy.cli_args import args
+
+    args.disable_smart_memory = True
+    args.cpu = device.type == "cpu"
+    import comfy.ldm.modules.attention as ca
+
+    return ca.attention_pytorch
+
+
+def make_mask(kind, b, h, nq, nk, device, dtype):
+    """kind: None or '<bool|add><2d|3d|4d|4d-bh1|4d-1h>' (4d-bh1: one mask for all heads, 4d-1h: for all batch)."""
     if kind is None:
         return None
-    g = torch.Generator(device="cpu").manual_seed(nk)
-    keep = torch.rand(b, 1, nq, nk, generator=g) > 0.2
+    g = torch.Generator(device="cpu").manual_seed(nq * 31 + nk)
+    keep = torch.rand(b, h, nq, nk, generator=g) > 0.25
     keep[..., 0] = True  # no fully masked row
+    shape = kind[kind.index("-") + 1:] if "-" in kind else kind[-2:]
+    if shape == "2d":
+        keep = keep[0, 0]
+    elif shape == "3d":
+        keep = keep[:, 0]
+    elif shape == "bh1":
+        keep = keep[:, :1]
+    elif shape == "1h":
+        keep = keep[:1]
     keep = keep.to(device)
-    if kind == "bool":
+    if kind.startswith("bool"):
         return keep
     return torch.zeros(keep.shape, device=device, dtype=dtype).masked_fill(~keep, -10000.0)
+
+
+def cases(quick: bool):
+    """(label, dict) for every case; a case: b, h, hk, nq, nk, d, dtype, mask kind, layout, special."""
+    dims = (40, 64, 128) if quick else HEAD_DIMS
+    for d, dtype, skip, nk in itertools.product(dims, DTYPES, (False, True), ("self", 77, 1)):
+        yield dict(b=2, h=4, hk=4, nq=256, nk=256 if nk == "self" else nk, d=d, dtype=dtype, mask=None, skip=skip)
+    masks = ("bool-4d", "add-4d", "add-2d", "add-3d", "bool-2d", "add-4d-bh1", "bool-4d-1h", "add-4d-1h")
+    for d, dtype, skip, nk, mk in itertools.product((40, 64, 128), (torch.bfloat16, torch.float32), (False, True),
+                                                    ("self", 77), masks):
+        yield dict(b=2, h=4, hk=4, nq=256, nk=256 if nk == "self" else nk, d=d, dtype=dtype, mask=mk, skip=skip)
+    for d, dtype in itertools.product((64, 128), (torch.bfloat16, torch.float16)):
+        yield dict(b=1, h=4, hk=4, nq=1, nk=1, d=d, dtype=dtype, mask=None, skip=False)  # 1 token
+        yield dict(b=1, h=4, hk=4, nq=1, nk=300, d=d, dtype=dtype, mask=None, skip=False)  # 1 query, many keys
+        if not quick:
+            yield dict(b=1, h=8, hk=8, nq=16384, nk=16384, d=d, dtype=dtype, mask=None, skip=False)  # long sequence
+        yield dict(b=2, h=4, hk=4, nq=1024, nk=77, d=d, dtype=dtype, mask=None, skip=False, special="equal-keys")
+        yield dict(b=2, h=4, hk=4, nq=256, nk=256, d=d, dtype=dtype, mask=None, skip=False, special="nan-input")
+        yield dict(b=2, h=8, hk=2, nq=512, nk=512, d=d, dtype=dtype, mask=None, skip=True)  # GQA
+        yield dict(b=2, h=8, hk=2, nq=512, nk=77, d=d, dtype=dtype, mask="add-4d", skip=True)  # GQA + mask
+
+
+def label(c):
+    return (f"D{c['d']} {str(c['dtype'])[6:]} {'HND' if c['skip'] else 'BNC'} Nq={c['nq']} Nk={c['nk']} H={c['h']}/{c['hk']}"
+            f" mask={c['mask']}" + (f" {c['special']}" if c.get("special") else ""))
+
+
+def inputs(c, dev):
+    g = torch.Generator(device="cpu").manual_seed(c["d"] * 7 + c["nk"] + c["nq"])
+    b, h, hk, nq, nk, d = c["b"], c["h"], c["hk"], c["nq"], c["nk"], c["d"]
+    q = torch.randn(b, h, nq, d, generator=g)
+    k = torch.randn(b, hk, nk, d, generator=g) + 0.5 * torch.randn(1, hk, 1, d, generator=g)  # a shared key offset
+    v = torch.randn(b, hk, nk, d, generator=g)
+    if c.get("special") == "equal-keys":  # a zeroed prompt: every key (and value) of the cross-attention is equal
+        k = k[:, :, :1].expand_as(k).contiguous() * 0 + 0.1
+        v = v[:, :, :1].expand_as(v).contiguous()
+    if c.get("special") == "nan-input":
+        q[0, 1, 5] = float("nan")
+    q, k, v = (t.to(dev, c["dtype"]) for t in (q, k, v))
+    if not c["skip"]:
+        q, k, v = (t.transpose(1, 2).reshape(b, t.shape[2], t.shape[1] * d) for t in (q, k, v))
+    return q, k, v, make_mask(c["mask"], b, h, nq, nk, dev, c["dtype"])
+
+
+def reference(q, k, v, heads, mask, c):
+    """fp32 attention of the case, in ComfyUI's output layout."""
+    q4, k4, v4, layout, spec, mask4, scale = A.dispatch.prepare(q, k, v, heads, mask, c["skip"])
+    to = A.dispatch._to
+    ref = A.reference.reference_attention(*(to(t, layout, "HND") for t in (q4, k4, v4)), mask4, scale)
+    return A.dispatch.finish(to(ref, "HND", layout), layout, spec, c["skip"])
+
+
+def judge(out, ref, dtype, ran):
+    """(cos, rel) if the output keeps the class of the backend that ran, else the reason."""
+    cls = A.REGISTRY.get(ran).accuracy_class
+    if out.shape != ref.shape or out.dtype != dtype:
+        return f"shape/dtype {tuple(out.shape)} {out.dtype}, expected {tuple(ref.shape)} {dtype}"
+    nan_ref, nan_out = torch.isnan(ref), ~torch.isfinite(out)
+    if not torch.equal(nan_ref, nan_out):
+        return f"non-finite pattern differs from the reference ({int(nan_out.sum())} vs {int(nan_ref.sum())} elements)"
+    keep = ~nan_ref
+    cos, rel = A.auto.accuracy(out[keep], ref[keep]) if keep.any() else (1.0, 0.0)
+    if cos < cls.min_cos or rel > cls.max_rel_l1:
+        return f"cos {cos:.5f} rel-L1 {rel:.4f} outside {cls.name} (cos >= {cls.min_cos}, rel-L1 <= {cls.max_rel_l1})"
+    return (cos, rel)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
     ap.add_argument("--md")
-    ap.add_argument("--nq", type=int, default=1024)
-    ap.add_argument("--heads", type=int, default=4)
     ap.add_argument("--backends", default="")
+    ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda")
     a = ap.parse_args()
     dev = torch.device(a.device)
-    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
-    names = [n for n in (a.backends.split(",") if a.backends else REGISTRY.names()) if REGISTRY.get(n).available]
-    cases = list(itertools.product(HEAD_DIMS, DTYPES, MASKS, KV, LAYOUTS))
-    results = defaultdict(lambda: {"ok": 0, "refused": 0, "errors": [], "worst_cos": 1.0, "worst_rel_l1": 0.0,
-                                   "worst_case": "", "by_dim": {}, "bad": []})
+    func = host_func(dev)
+    names = [n for n in (a.backends.split(",") if a.backends else A.REGISTRY.names()) if A.REGISTRY.get(n).available]
+    all_cases = list(cases(a.quick))
+    res = defaultdict(lambda: {"cases": 0, "ran_itself": 0, "routed": defaultdict(int), "violations": [], "worst": {}})
     t0 = time.time()
-    b, h, nq = 2, a.heads, a.nq
-    for d, dtype, mk, kv, skip in cases:
-        nk = nq if kv == "self" else kv
-        q, k, v = structured_qkv(b, h, nq, nk, d, device=dev, dtype=dtype, seed=d * 7 + nk)
-        mask = make_mask(mk, b, nq, nk, dev, dtype)
-        ref = reference_attention(q, k, v, mask)
-        if skip:
-            args = (q, k, v)
-        else:
-            args = tuple(t.transpose(1, 2).reshape(b, t.shape[2], h * d) for t in (q, k, v))
-            ref = ref.transpose(1, 2).reshape(b, nq, h * d)
-        case = f"D{d} {str(dtype)[6:]} mask={mk} Nk={nk} {'HND' if skip else 'BNC'}"
+    for c in all_cases:
+        q, k, v, mask = inputs(c, dev)
+        ref = reference(q, k, v, c["h"], mask, c)
+        lab = label(c)
         for name in names:
-            r = results[name]
-            cfg = AttentionConfig(backend=name, allow_fallback=False)
+            r = res[name]
+            r["cases"] += 1
+            cfg = A.AttentionConfig(backend=name, check_finite="deferred")  # as the node: fallback on, NaN net on
+            ov = P.nodes.patch.AttentionOverride(cfg, audit=False)
             try:
-                out = attention(*args, h, mask, skip_reshape=skip, skip_output_reshape=skip, config=cfg)
-                sync()
-            except BackendUnavailableError:
-                r["refused"] += 1
+                out = ov(func, q, k, v, c["h"], mask=mask, skip_reshape=c["skip"], skip_output_reshape=c["skip"],
+                         transformer_options={})
+                if dev.type == "cuda":
+                    torch.cuda.synchronize()
+            except Exception as e:
+                r["violations"].append(f"{lab}: raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 continue
-            except Exception as e:  # accepted by its constraints but raised: a finding
-                r["errors"].append(f"{case}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
-                continue
-            if out.shape != ref.shape or out.dtype != q.dtype:
-                r["errors"].append(f"{case}: shape/dtype {tuple(out.shape)} {out.dtype} vs {tuple(ref.shape)} {q.dtype}")
-                continue
-            cos, rel = accuracy(out, ref)
-            r["ok"] += 1
-            bd = r["by_dim"].setdefault(str(d), [1.0, 0.0])
-            bd[0], bd[1] = min(bd[0], cos), max(bd[1], rel)
-            if cos < r["worst_cos"]:
-                r["worst_cos"], r["worst_case"] = cos, case
-            r["worst_rel_l1"] = max(r["worst_rel_l1"], rel)
-            if cos < 0.99 or rel != rel:
-                r["bad"].append(f"{case}: cos {cos:.4f} rel-L1 {rel:.4f}")
-    meta = {
-        "date": datetime.date.today().isoformat(),
-        "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
-        "torch": torch.__version__,
-        "versions": {n: REGISTRY.get(n).availability().version for n in names},
-        "cases": len(cases),
-        "seconds": round(time.time() - t0, 1),
-        "shape": f"B={b} H={h} Nq={nq}",
-    }
-    data = {"meta": meta, "results": results}
+            ran = next(iter(cfg.stats.calls))
+            ran = "sdpa" if ran == P.nodes.patch.HOST else ran
+            if ran == name:
+                r["ran_itself"] += 1
+            else:
+                why = next((rs for (f, t, rs) in cfg.stats.fallbacks), "")
+                r["routed"][f"{ran}: {why.split(' (')[0][:70]}"] += 1
+            verdict = judge(out, ref, c["dtype"], ran)
+            if isinstance(verdict, str):
+                r["violations"].append(f"{lab}: ran {ran}: {verdict}")
+            elif ran == name:
+                w = r["worst"]
+                if not w or verdict[1] > w["rel_l1"]:
+                    r["worst"] = {"cos": verdict[0], "rel_l1": verdict[1], "case": lab}
+        del q, k, v, mask, ref
+    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
+            "versions": {n: A.REGISTRY.get(n).availability().version for n in names}, "cases": len(all_cases),
+            "seconds": round(time.time() - t0, 1), "host_func": getattr(func, "__name__", None),
+            "classes": {n: A.REGISTRY.get(n).accuracy for n in names}}
     with open(a.out, "w") as f:
-        json.dump(data, f, indent=1)
-    md = render(meta, results)
+        json.dump({"meta": meta, "results": res}, f, indent=1, default=dict)
+    md = render(meta, res)
     print(md)
     if a.md:
         with open(a.md, "w") as f:
             f.write(md)
+    sys.exit(1 if any(r["violations"] for r in res.values()) else 0)
 
 
-def render(meta, results):
-    lines = [
-        f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}; {meta['cases']} cases per backend ({meta['shape']}), "
-        f"inputs from attention.inputs.structured_qkv; reference fp32 SDPA.",
-        "",
-        "| backend | version | ran | refused | errors | worst cos | worst rel-L1 | worst case | "
-        + " | ".join(f"D{d} cos/relL1" for d in HEAD_DIMS) + " |",
-        "|---|---|---|---|---|---|---|---|" + "---|" * len(HEAD_DIMS),
-    ]
-    for name, r in results.items():
-        dims = " | ".join(
-            f"{r['by_dim'][str(d)][0]:.4f}/{r['by_dim'][str(d)][1]:.3f}" if str(d) in r["by_dim"] else "-" for d in HEAD_DIMS
-        )
-        lines.append(
-            f"| {name} | {meta['versions'].get(name, '')} | {r['ok']} | {r['refused']} | {len(r['errors'])} | "
-            f"{r['worst_cos']:.5f} | {r['worst_rel_l1']:.4f} | {r['worst_case']} | {dims} |"
-        )
-    for name, r in results.items():
-        for e in r["errors"][:8]:
-            lines.append(f"- {name} error: {e}")
-        if len(r["errors"]) > 8:
-            lines.append(f"- {name}: {len(r['errors']) - 8} more errors")
-        for e in r["bad"][:5]:
-            lines.append(f"- {name} low accuracy: {e}")
+def render(meta, res):
+    lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}; {meta['cases']} cases per backend through "
+             f"AttentionOverride (host function: {meta['host_func']}); reference fp32 attention; {meta['seconds']} s.", "",
+             "| backend | class | ran itself | routed elsewhere | violations | worst own rel-L1 (cos) | worst case |",
+             "|---|---|---|---|---|---|---|"]
+    for n, r in res.items():
+        w = r["worst"]
+        lines.append(f"| {n} | {meta['classes'][n]} | {r['ran_itself']} | {sum(r['routed'].values())} | {len(r['violations'])} | "
+                     + (f"{w['rel_l1']:.4f} ({w['cos']:.5f}) | {w['case']} |" if w else "- | - |"))
+    lines.append("")
+    for n, r in res.items():
+        for why, cnt in sorted(r["routed"].items(), key=lambda x: -x[1])[:6]:
+            lines.append(f"- {n} routed to {why} ({cnt} cases)")
+        for v in r["violations"][:10]:
+            lines.append(f"- **{n} VIOLATION** {v}")
+        if len(r["violations"]) > 10:
+            lines.append(f"- {n}: {len(r['violations']) - 10} more violations")
     return "\n".join(lines) + "\n"
 
 

@@ -1,0 +1,88 @@
+#!/bin/bash
+# The GPU runner: one script, named stages, logs and results under $OUT.
+#   bash tests/gpu/run.sh STAGE [STAGE ...]        (from the repo root, on the CUDA machine)
+#
+# Carried (ignored paths): .build/kernels/kernels.tgz (SageAttention2 + SpargeAttn built by install.py for this GPU,
+# torch and Python), .build/comfyui.tgz (ComfyUI source), .whl (wheels the machine lacks: av, torchsde, trampoline,
+# optionally comfy-kitchen), .src (upstream source archives, for the install stages).
+#
+# Stages:
+#   env            unpack kernels, wheels and ComfyUI (every other stage needs it; run it first)
+#   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI)
+#   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
+#   e2e-image      end-to-end benchmark, SD1.5 / SDXL / Flux-dev, every row, profiled
+#   e2e-wan        end-to-end benchmark, Wan 2.1 1.3B 480p/81f, every row, profiled
+#   e2e-wan14      end-to-end benchmark, Wan 2.1 14B, the main rows
+#   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows
+#   install        install.py for real from .src archives (clean state), then again (idempotence)
+#   install-manager  install.py as ComfyUI Manager runs it: no arguments, no terminal, no network
+#   sparge         SpargeAttn threshold sweep and tuned-vs-default (tests/gpu/sparge_*.py)
+set -u
+export PYTHONUNBUFFERED=1
+OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
+PY=python3
+MAIN_ROWS=unpatched,sdpa,sage,sage_fp8_sm90,sage_fp16_cuda,sparge,auto,peer:sage,peer:sage_fp8_sm90,peer:sage_fp16_cuda,peer:sparge
+say() { echo "### $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
+
+stage_env() {
+  nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
+  $PY -c "import torch;print('torch',torch.__version__,'cuda',torch.version.cuda)"
+  mkdir -p /tmp/kern && tar xzf .build/kernels/kernels.tgz -C /tmp/kern
+  ls .whl/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/kern .whl/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/kern
+  if [ -f .build/comfyui.tgz ]; then
+    mkdir -p /tmp/comfy && tar xzf .build/comfyui.tgz -C /tmp/comfy
+    export COMFYUI_PATH=/tmp/comfy/ComfyUI
+  fi
+  $PY -c "import attention; print('usable:', attention.REGISTRY.available())"
+}
+
+stage_pytest() { timeout 240 $PY -m pytest tests -q -x -k "not compile" 2>&1 | tail -n 15; }
+
+stage_matrix() { timeout 400 $PY tests/gpu/matrix.py --out "$OUT/contract.json" --md "$OUT/contract.md" 2>&1 | tail -n 60; }
+
+e2e() {  # name, timeout, bench_e2e arguments...
+  local name=$1 t=$2; shift 2
+  timeout "$t" $PY bench_e2e.py "$@" --md "$OUT/$name.md" --json "$OUT/$name.json" 2>&1 | grep -v "row/s\]" | tail -n 40
+}
+stage_e2e-image() { e2e e2e-image 560 --preset sd15 --preset sdxl --preset flux-dev --steps 4 --profile --png "$OUT/e2e-image.png"; }
+stage_e2e-wan() { e2e e2e-wan 560 --preset wan-1.3b --steps 4 --profile --rows "$MAIN_ROWS,sdpa_cudnn,sdpa_flash,sparge_topk,peer:sparge_topk"; }
+stage_e2e-wan14() { e2e e2e-wan14 580 --preset wan-14b --steps 3 --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,sparge,auto; }
+stage_e2e-compile() {
+  e2e e2e-compile-flux 280 --preset flux-dev --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
+  e2e e2e-compile-wan 300 --preset wan-1.3b --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
+}
+
+stage_install() {
+  local before; before=$($PY -c "import torch;print(torch.__version__)")
+  t0=$(date +%s)
+  timeout 450 $PY install.py --yes --sage-source .src/SageAttention.tar.gz --sparge-source .src/SpargeAttn.tar.gz \
+    --find-links .whl --no-index --log-dir /tmp/pa-logs 2>&1 | grep -v '^\s*$' | tail -n 40
+  echo "run 1 rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - t0 ))"
+  t0=$(date +%s)
+  timeout 120 $PY install.py --yes --sage-source .src/SageAttention.tar.gz --sparge-source .src/SpargeAttn.tar.gz \
+    --find-links .whl --no-index --log-dir /tmp/pa-logs2 --no-verify 2>&1 | tail -n 15
+  echo "run 2 rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - t0 )); torch before $before after $($PY -c 'import torch;print(torch.__version__)')"
+  tar czf "$OUT/install-logs.tgz" -C /tmp pa-logs 2>/dev/null
+}
+
+stage_install-manager() {
+  t0=$(date +%s)
+  $PY install.py < /dev/null > "$OUT/manager-run.log" 2>&1; echo "rc=$? seconds=$(( $(date +%s) - t0 ))"
+  grep -v "^\s*$" "$OUT/manager-run.log" | grep -v "step/s\]" | tail -n 30
+}
+
+stage_sparge() {
+  timeout 120 $PY tests/gpu/sparge_sweep.py --md "$OUT/sparge.md" --json "$OUT/sparge.json" 2>&1 | tail -n 30
+  timeout 200 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 25
+}
+
+[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+for s in "$@"; do
+  declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
+done
+for s in "$@"; do
+  say "$s"
+  "stage_$s" > >(tee -a "$OUT/$s.log") 2>&1  # not a pipe: stage_env's exports must reach later stages
+done
+say "done"
