@@ -56,7 +56,7 @@ def main(argv=None):
     from tqdm import tqdm
 
     pack = _load_pack()
-    e2e = pack.nodes.e2e
+    e2e = importlib.import_module(pack.__name__ + ".nodes.e2e")
     if not torch.cuda.is_available():
         sys.exit("bench_e2e: needs a CUDA GPU")
     presets = a.preset or list(e2e.PRESETS)
@@ -76,7 +76,8 @@ def main(argv=None):
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "steps": a.steps, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
     header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
-              f"weights · euler, {a.steps} timed steps after a 1-step warm-up · ratios within this run\n\n"
+              f"weights · euler, {a.steps} steps after a 1-step warm-up run; s/step is the median time between the sampler's "
+              f"step callbacks (device synced), so loading and setup are not in it · ratios within this run\n\n"
               + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     md = e2e.render_markdown(results, header)
     if a.profile:

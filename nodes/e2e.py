@@ -13,6 +13,7 @@ classes at full size with random weights (``PRESETS``).
 from __future__ import annotations
 
 import logging
+import statistics
 import time
 from dataclasses import dataclass, field
 
@@ -107,12 +108,28 @@ class Job:
     extra: dict = field(default_factory=dict)
 
 
-def _sample(model, job: Job, steps: int):
+def _sample(model, job: Job, steps: int, callback=None):
     import comfy.sample
 
     noise = torch.randn(job.latent.shape, generator=torch.Generator().manual_seed(job.seed), dtype=torch.float32)
     return comfy.sample.sample(model, noise, steps, job.cfg, job.sampler, job.scheduler, job.positive, job.negative,
-                               job.latent, disable_pbar=True, seed=job.seed)
+                               job.latent, disable_pbar=True, seed=job.seed, callback=callback)
+
+
+def _timed_sample(model, job: Job):
+    """(latent, seconds per step): the median interval between the sampler's step callbacks (device synced at each),
+    so model loading and conditioning setup before the first step are not counted."""
+    marks = []
+
+    def cb(*_):
+        _sync()
+        marks.append(time.perf_counter())
+
+    _sync()
+    marks.append(time.perf_counter())
+    lat = _sample(model, job, job.steps, cb)
+    steps = [b - a for a, b in zip(marks[1:], marks[2:])] or [b - a for a, b in zip(marks, marks[1:])]
+    return lat, statistics.median(steps)
 
 
 def _sync():
@@ -162,10 +179,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             r["warmup_s"] = round(time.perf_counter() - t0, 3)
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            t0 = time.perf_counter()
-            lat = _sample(m, job, job.steps)
-            _sync()
-            r["s_per_step"] = (time.perf_counter() - t0) / job.steps
+            lat, r["s_per_step"] = _timed_sample(m, job)
             if torch.cuda.is_available():
                 r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
             lat = lat.float()

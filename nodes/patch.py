@@ -238,11 +238,11 @@ class AttentionOverride:
         return DEFAULT_MIN_COS, DEFAULT_MAX_REL_L1
 
     def _audit(self, layer, q, k, v, heads, mask, kw, out):
-        """First call of a kind on an explicitly chosen lossy backend: its error against fp32 dense, logged once if
-        beyond the auto gate (one reference call and one sync per call kind and run)."""
+        """First call of a kind on an explicitly chosen lossy backend: its error against dense SDPA, logged once if
+        beyond the auto gate (one dense call and one sync per call kind, once for the life of the patched model)."""
         cos, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
         name = self.config.backend
-        self.config.stats.add_metrics(f"{name}@first-call", {"cos_vs_fp32": cos, "rel_l1_vs_fp32": rel})
+        self.config.stats.add_metrics(f"{name}@first-call", {"cos_vs_dense": cos, "rel_l1_vs_dense": rel})
         min_cos, max_rel = self._gate()
         if not (cos >= min_cos and rel <= max_rel):
             log.warning("%s on attention layer %d (q %s, k %s): cos %.5f, rel-L1 %.4f against fp32 attention, beyond "
@@ -251,7 +251,7 @@ class AttentionOverride:
             self.config.stats.count_error(name, f"beyond auto's gate on its first call (rel-L1 {rel:.3f})")
 
     def _recheck(self, layer, q, k, v, heads, mask, kw, out):
-        """auto, at the middle and last step: each non-exact choice is compared with fp32 dense once per signature;
+        """auto, at the middle and last step: each non-exact choice is compared with dense SDPA once per signature;
         one that fails the gate is replaced by SDPA for the rest of the run (this call's output too)."""
         from ..attention.auto import signature
         from ..attention.dispatch import prepare
@@ -267,7 +267,7 @@ class AttentionOverride:
         self._checked.add((self.check_phase, sig))
         cos, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
         stats = self.config.stats
-        stats.add_metrics(f"{name}@recheck-{self.check_phase}", {"cos_vs_fp32": cos, "rel_l1_vs_fp32": rel})
+        stats.add_metrics(f"{name}@recheck-{self.check_phase}", {"cos_vs_dense": cos, "rel_l1_vs_dense": rel})
         if cos >= auto.min_cos and rel <= auto.max_rel_l1:
             return out
         auto.demote(sig, f"failed the gate at the {self.check_phase} step (cos {cos:.5f}, rel-L1 {rel:.4f})")
@@ -291,7 +291,6 @@ class AttentionOverride:
         self._layer_calls = {}
         self.nonfinite_layers = set()
         self._checked = set()
-        self._audited = set()
         if self.config.auto is not None:
             self.config.auto.demoted.clear()
             self.config._fast.clear()

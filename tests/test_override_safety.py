@@ -105,7 +105,7 @@ def test_an_explicit_lossy_kernel_beyond_the_gate_is_logged_once_with_its_error(
     warns = [r.getMessage() for r in recs if r.levelno == logging.WARNING]
     assert len(warns) == 1 and "t_noisy on attention layer 0" in warns[0] and "beyond auto's gate" in warns[0]
     m = ov.config.stats.as_dict()["metrics"]
-    assert m["t_noisy@first-call.rel_l1_vs_fp32"]["n"] == 1 and m["t_noisy@first-call.rel_l1_vs_fp32"]["mean"] > 0.08
+    assert m["t_noisy@first-call.rel_l1_vs_dense"]["n"] == 1 and m["t_noisy@first-call.rel_l1_vs_dense"]["mean"] > 0.08
 
 
 def test_an_accurate_lossy_kernel_is_audited_silently(backends):
@@ -115,7 +115,7 @@ def test_an_accurate_lossy_kernel_is_audited_silently(backends):
     with capture("patch_attention.nodes") as recs:
         ov(None, q, k, v, 2, transformer_options={})
     assert not [r for r in recs if r.levelno >= logging.WARNING]
-    assert ov.config.stats.as_dict()["metrics"]["t_fine@first-call.cos_vs_fp32"]["mean"] > 0.9999
+    assert ov.config.stats.as_dict()["metrics"]["t_fine@first-call.cos_vs_dense"]["mean"] > 0.9999
 
 
 def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends):
@@ -148,7 +148,7 @@ def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(ba
     assert seen[2] < 1e-5 and seen[3] < 1e-5  # mid step: failed the re-check, redone dense, dense from then on
     d = cfg.stats.as_dict()
     assert "t_drift failed the gate at the mid step" in next(iter(d["auto"].values()))
-    assert d["metrics"]["t_drift@recheck-mid.rel_l1_vs_fp32"]["mean"] > 0.08
+    assert d["metrics"]["t_drift@recheck-mid.rel_l1_vs_dense"]["mean"] > 0.08
     # the next run starts from the tuned choice again
     drift["on"] = False
     seen.clear()

@@ -6,7 +6,7 @@ import importlib
 
 import torch
 
-from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, SameHeadDimV
+from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, MinSeqLen, SameHeadDimV
 from ..registry import REGISTRY, Availability, Backend, import_probe, version_of
 
 HALF = (torch.float16, torch.bfloat16)
@@ -111,7 +111,8 @@ _entry(
     "sage_fp16_cuda",
     _call("sageattn_qk_int8_pv_fp16_cuda", pv_accum_dtype="fp32"),
     _sage_v2_probe("SM80_ENABLED", "sageattn_qk_int8_pv_fp16_cuda"),
-    (ComputeCapability(min=(8, 0)), Masks(())),
+    # NaN for every single-key call on the H100 (contract matrix): such calls go to the next backend
+    (ComputeCapability(min=(8, 0)), Masks(()), MinSeqLen(kv=2)),
     "SageAttention 2: INT8 QK, FP16 PV (fp32 accumulation), CUDA",
 )
 _entry(

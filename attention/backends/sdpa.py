@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks
+from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, MinSeqLen
 from ..registry import REGISTRY, Availability, Backend
 
 HALF = (torch.float16, torch.bfloat16)
@@ -98,6 +98,7 @@ REGISTRY.register(
             HeadDims(max=128, multiple_of=8),
             Masks(()),
             GroupedQuery(False),
+            MinSeqLen(kv=2),  # H100, torch 2.11: "No available kernel" for a single key
         ),
         probe=_probe("CUDNN_ATTENTION"),
         description="SDPA forced to its cuDNN kernel",

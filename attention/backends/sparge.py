@@ -76,7 +76,7 @@ COMMON = (
 )
 
 
-def _entry(name, fn_name, defaults, description):
+def _entry(name, fn_name, defaults, description, accuracy="sparse"):
     REGISTRY.register(
         Backend(
             name=name,
@@ -86,12 +86,13 @@ def _entry(name, fn_name, defaults, description):
             layouts=("HND", "NHD"),
             probe=import_probe("spas_sage_attn", attr=fn_name),
             description=description,
-            accuracy="sparse",
+            accuracy=accuracy,
             options=dict(defaults),
         )
     )
 
 
 _entry("sparge", "spas_sage2_attn_meansim_cuda", DEFAULTS, "SpargeAttn on SageAttention2 (sparse, thresholds)")
-_entry("sparge_topk", "spas_sage2_attn_meansim_topk_cuda", TOPK_DEFAULTS, "SpargeAttn on SageAttention2, top-k blocks")
+_entry("sparge_topk", "spas_sage2_attn_meansim_topk_cuda", TOPK_DEFAULTS, "SpargeAttn on SageAttention2, top-k blocks",
+       accuracy="topk")
 _entry("sparge_sage1", "spas_sage_attn_meansim_cuda", DEFAULTS, "SpargeAttn on SageAttention1 (fp16 PV)")

@@ -37,7 +37,8 @@ stage_env() {
   $PY -c "import attention; print('usable:', attention.REGISTRY.available())"
 }
 
-stage_pytest() { timeout 240 $PY -m pytest tests -q -x -k "not compile" 2>&1 | tail -n 15; }
+# compile tests run in CI; the server tier needs ComfyUI's frontend package, which this machine cannot fetch
+stage_pytest() { timeout 240 $PY -m pytest tests -q -k "not compile and not server" 2>&1 | tail -n 15; }
 
 stage_matrix() { timeout 400 $PY tests/gpu/matrix.py --out "$OUT/contract.json" --md "$OUT/contract.md" 2>&1 | tail -n 60; }
 
@@ -45,7 +46,7 @@ e2e() {  # name, timeout, bench_e2e arguments...
   local name=$1 t=$2; shift 2
   timeout "$t" $PY bench_e2e.py "$@" --md "$OUT/$name.md" --json "$OUT/$name.json" 2>&1 | grep -v "row/s\]" | tail -n 40
 }
-stage_e2e-image() { e2e e2e-image 560 --preset sd15 --preset sdxl --preset flux-dev --steps 4 --profile --png "$OUT/e2e-image.png"; }
+stage_e2e-image() { e2e e2e-image 560 --preset sd15 --preset sdxl --preset flux-dev --steps 8 --profile --png "$OUT/e2e-image.png"; }
 stage_e2e-wan() { e2e e2e-wan 560 --preset wan-1.3b --steps 4 --profile --rows "$MAIN_ROWS,sdpa_cudnn,sdpa_flash,sparge_topk,peer:sparge_topk"; }
 stage_e2e-wan14() { e2e e2e-wan14 580 --preset wan-14b --steps 3 --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,sparge,auto; }
 stage_e2e-compile() {
