@@ -42,6 +42,7 @@ def main(argv=None):
     ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b (repeatable; default all)")
     ap.add_argument("--rows", default="", help="comma-separated rows (default: every usable backend, auto and peers)")
     ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn (median)")
     ap.add_argument("--compile", action="store_true", help="also run every row under torch.compile (inductor)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile one step per row (top device kernels, in --json)")
@@ -63,36 +64,42 @@ def main(argv=None):
     rows = [r.strip() for r in a.rows.split(",") if r.strip()] or e2e.default_rows(peers=not a.no_peers)
     modes = [False, True] if a.compile else [False]
     results = []
+    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "steps": a.steps, "rounds": a.rounds, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
+    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
+              f"weights · euler, {a.steps} steps after a 1-step warm-up run, every row timed {a.rounds}x in turn; s/step "
+              f"is the median time between the sampler's step callbacks (device synced), so loading and setup are not "
+              f"in it · ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
         job = e2e.build_preset(preset)
         job.steps = a.steps
         for compile in modes:
-            results += e2e.measure(job, rows, compile=compile, profile=a.profile,
+            results += e2e.measure(job, rows, compile=compile, profile=a.profile, rounds=a.rounds,
                                    progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
+            save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
         del job
         torch.cuda.empty_cache()
     bar.close()
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "steps": a.steps, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
-    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
-              f"weights · euler, {a.steps} steps after a 1-step warm-up run; s/step is the median time between the sampler's "
-              f"step callbacks (device synced), so loading and setup are not in it · ratios within this run\n\n"
-              + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+    save(a, meta, header, results, e2e, final=True)
+
+
+def save(a, meta, header, results, e2e, final):
     md = e2e.render_markdown(results, header)
     if a.profile:
         md += "\n\nTop device kernels of one profiled step per row (ms, calls):\n"
         for r in results:
             if r.get("profile"):
                 md += f"\n- {r['preset']} {r['row']}: " + "; ".join(f"{n} {ms} ms x{c}" for n, ms, c in r["profile"])
-    print(md)
+    if final:
+        print(md)
     if a.md:
         with open(a.md, "w") as f:
             f.write(md + "\n")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=1)
-    if a.png:
+    if a.png and final:
         plot(results, a.png, meta)
 
 

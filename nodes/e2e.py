@@ -159,14 +159,19 @@ def profile_step(model, job: Job, top: int = 8) -> list:
 
 
 def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 1, progress=None,
-            profile: bool = False) -> list[dict]:
-    """Sample ``job`` once per row (after a warm-up run), unpatched first; returns one dict per row.
-    ``profile``: also one profiled step per row (top device kernels, in ``row["profile"]``)."""
+            profile: bool = False, rounds: int = 1) -> list[dict]:
+    """Sample ``job`` with each row, unpatched first; returns one dict per row.
+
+    Every row's model is built and warmed up first (loading, compiling, tuning ``auto``); then ``rounds`` rounds
+    each time every row once, in turn, so slow drift of the machine (clocks, other tenants) spreads over all rows
+    instead of landing on a few.  s/step is the median over rounds of each run's median step.  ``profile``: also
+    one profiled step per row (top device kernels, in ``row["profile"]``)."""
     if rows[0] != UNPATCHED:
         rows = [UNPATCHED, *[r for r in rows if r != UNPATCHED]]
-    out_rows, ref = [], None
+    out_rows, models = [], {}
     for row in rows:
-        r = {"row": row + (" +compile" if compile else ""), "preset": job.label, "steps": job.steps, "compile": compile}
+        r = {"row": row + (" +compile" if compile else ""), "preset": job.label, "steps": job.steps, "compile": compile,
+             "rounds": rounds}
         try:
             m = make_row_model(job.model, row)
             if compile:
@@ -177,29 +182,41 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             _sample(m, job, warmup_steps)  # loads, compiles, tunes auto, loads kernels
             _sync()
             r["warmup_s"] = round(time.perf_counter() - t0, 3)
-            if torch.cuda.is_available():
-                torch.cuda.reset_peak_memory_stats()
-            lat, r["s_per_step"] = _timed_sample(m, job)
-            if torch.cuda.is_available():
-                r["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 2)
-            lat = lat.float()
-            r["finite"] = bool(torch.isfinite(lat).all())
-            if ref is None:
-                ref = lat
-            r["cos"], r["rel_l1"] = accuracy(lat, ref)
-            if profile:
-                r["profile"] = profile_step(m, job)
-            r["kernels"] = kernels_that_ran(m) or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
-            ov = override_of(m)
-            if ov is not None and ov.config.stats.decisions:
-                r["auto"] = "; ".join(sorted(set(str(v).split(" [")[0] for v in ov.config.stats.decisions.values())))
-            del m
+            models[row] = m
         except Exception as e:  # one row's failure is a row in the table, not the end of the benchmark
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
             log.warning("e2e %s %s: %s", job.label, row, r["error"])
         out_rows.append(r)
+    times = {row: [] for row in models}
+    latents, peaks = {}, {}
+    for _ in range(rounds):
+        for row, m in models.items():
+            if torch.cuda.is_available():
+                torch.cuda.reset_peak_memory_stats()
+            latents[row], dt = _timed_sample(m, job)
+            times[row].append(dt)
+            if torch.cuda.is_available():
+                peaks[row] = max(peaks.get(row, 0.0), torch.cuda.max_memory_allocated() / 2**30)
+    ref = latents.get(UNPATCHED)
+    for r, row in zip(out_rows, rows):
+        if row not in models:
+            continue
+        m, lat = models[row], latents[row].float()
+        r["s_per_step"] = statistics.median(times[row])
+        r["s_per_step_runs"] = [round(t, 5) for t in times[row]]
+        if row in peaks:
+            r["peak_gib"] = round(peaks[row], 2)
+        r["finite"] = bool(torch.isfinite(lat).all())
+        r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
+        if profile:
+            r["profile"] = profile_step(m, job)
+        r["kernels"] = kernels_that_ran(m) or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
+        ov = override_of(m)
+        if ov is not None and ov.config.stats.decisions:
+            r["auto"] = "; ".join(sorted(set(str(v).split(" [")[0] for v in ov.config.stats.decisions.values())))
         if progress is not None:
             progress(r)
+    models.clear()
     base = next((x["s_per_step"] for x in out_rows if x["row"].startswith(UNPATCHED) and "s_per_step" in x), None)
     for x in out_rows:
         if base and "s_per_step" in x:
