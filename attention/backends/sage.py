@@ -49,12 +49,15 @@ def _sage1_probe():
 
 
 def _call(fn_name: str, **fixed):
+    kernel = []  # the library function, resolved on first use (an import per call costs on host-bound models)
+
     def fn(q, k, v, *, layout, mask, scale, opts):
-        kw = dict(fixed)
-        kw.update(opts or {})
+        if not kernel:
+            kernel.append(getattr(_sage(), fn_name))
+        kw = {**fixed, **opts} if opts else fixed
         if mask is not None:
-            kw["attn_mask"] = mask
-        out = getattr(_sage(), fn_name)(q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **kw)
+            kw = {**kw, "attn_mask": mask}
+        out = kernel[0](q, k, v, tensor_layout=layout, is_causal=False, sm_scale=scale, **kw)
         return out[0] if isinstance(out, tuple) else out
 
     return fn
