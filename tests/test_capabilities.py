@@ -38,6 +38,9 @@ def why(name, s):
         ("flash_attn2", spec(mask="bool"), "no attention-mask support"),
         ("sdpa_flash", spec(device="cpu", dtype=torch.float32), "runs on cuda, not cpu"),
         ("sdpa_cudnn", spec(d=256), "head dim 256 unsupported"),
+        ("sdpa_cudnn", spec(nq=77, nk=1), "key length 1 < 2"),  # found by the H100 contract matrix
+        ("sage_fp16_cuda", spec(nq=77, nk=1), "key length 1 < 2"),
+        ("sdpa_efficient", spec(kv_heads=8), "no GQA"),
         ("kitchen_int8", spec(d=257), "head dim 257 unsupported"),
         ("kitchen_int8", spec(mask="float", d=160), None),
         ("xformers", spec(cc=(9, 0), mask="bool", d=40), None),

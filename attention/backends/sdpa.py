@@ -115,7 +115,7 @@ REGISTRY.register(
             DTypes(ALL),
             HeadDims(multiple_of=8),
             Masks(("bool", "float")),
-            GroupedQuery(True),
+            GroupedQuery(False),  # H100, torch 2.11: "No available kernel" with enable_gqa (contract matrix)
         ),
         probe=_probe("EFFICIENT_ATTENTION"),
         description="SDPA forced to its memory-efficient (xformers-style) kernel",
