@@ -47,7 +47,7 @@ ACCURACY = {
     # concentrated (the contract matrix's random inputs) topk=0.5 drops half the mass, rel-L1 ~1.0 on the H100.
     # No bound holds for every input; each explicit use is audited against fp32 on its first call and auto's gate
     # decides per call shape.
-    "topk": Accuracy("topk", -1.0, float("inf"), False, "fixed share of key blocks kept: unbounded, audited per call kind",
+    "topk": Accuracy("topk", -1.0, float("inf"), False, "a fixed share of key blocks kept per query block",
                      False),
     "4bit": Accuracy("4bit", 0.98, 0.2, False, "FP4 microscaling", False),
 }

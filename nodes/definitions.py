@@ -47,10 +47,28 @@ def backend_choices() -> list[str]:
     return ["auto", "disabled", *REGISTRY.names()]
 
 
+def accuracy_text() -> str:
+    """What each backend costs in accuracy, from the registry's classes (for the backend tooltip)."""
+    from ..attention.registry import ACCURACY
+
+    by = {}
+    for b in REGISTRY.backends():
+        by.setdefault(b.accuracy, []).append(b.name)
+    parts = []
+    for key, cls in ACCURACY.items():
+        if key in by:
+            bound = ("no bound: each explicit use is checked against dense on its first call of each kind and logged if "
+                     "beyond auto's gate" if cls.max_rel_l1 == float("inf") else f"declared bound rel-L1 <= {cls.max_rel_l1}")
+            parts.append(f"{key} ({cls.text}; {bound}): {', '.join(by[key])}")
+    return " | ".join(parts)
+
+
 BACKEND_TOOLTIP = (
     "auto: time every backend that can run on this GPU on the model's real shapes and keep the fastest "
-    "that matches SDPA's accuracy (remembered per GPU and kernel versions). disabled: remove an earlier patch. "
-    "Other entries force one kernel; calls it cannot take (head dim, mask, dtype, GPU) go to SDPA and are counted. "
+    "that matches SDPA's accuracy (remembered per GPU and kernel versions; lossy choices re-checked mid-run and at the "
+    "last step). disabled: remove an earlier patch. sdpa: ComfyUI's own attention. "
+    "Other entries force one kernel; calls it cannot take (head dim, mask, dtype, GPU) or that ask for full precision "
+    "go to SDPA and are counted. Accuracy by backend: " + accuracy_text() + ". "
     "See the Attention Backends Info node for what is installed."
 )
 
