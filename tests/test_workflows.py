@@ -13,10 +13,39 @@ API = sorted(glob.glob(os.path.join(ROOT, "workflows", "api", "*.json")))
 WIDGET_TYPES = {"INT", "FLOAT", "STRING", "BOOLEAN", "COMBO"}
 
 
-def test_there_are_sd_and_flux_workflows_in_both_formats():
+FRONTEND_ONLY = {"Note"}  # drawn by the frontend, not a server node
+
+
+def test_there_are_image_video_and_tuning_workflows_in_both_formats():
     names = {os.path.basename(p) for p in UI}
-    assert {"sd15_patch_attention.json", "sdxl_patch_attention.json", "flux_patch_attention.json"} <= names
+    assert {"sd15_patch_attention.json", "sdxl_patch_attention.json", "flux_patch_attention.json",
+            "wan21_t2v_patch_attention.json", "wan21_sparge_tuning.json"} <= names
     assert names == {os.path.basename(p) for p in API}
+
+
+def test_workflows_are_what_the_generator_writes(tmp_path, monkeypatch):
+    """workflows/ is generated (tests/tools/make_workflows.py): a hand edit would be lost on the next run."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("make_workflows", os.path.join(ROOT, "tests", "tools", "make_workflows.py"))
+    gen = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gen)
+    for name, graph in gen.WORKFLOWS.items():
+        assert json.load(open(os.path.join(ROOT, "workflows", f"{name}.json"))) == json.loads(json.dumps(gen.to_ui(graph)))
+        assert json.load(open(os.path.join(ROOT, "workflows", "api", f"{name}.json"))) == json.loads(json.dumps(gen.to_api(graph)))
+
+
+@pytest.mark.parametrize("path", UI, ids=os.path.basename)
+def test_every_ui_workflow_has_a_note_and_titled_groups_around_every_node(path):
+    wf = json.load(open(path))
+    notes = [n for n in wf["nodes"] if n["type"] == "Note"]
+    assert notes and all(len(n["widgets_values"][0]) > 200 for n in notes)
+    assert wf["groups"] and all(g["title"] for g in wf["groups"])
+    for n in wf["nodes"]:
+        x, y = n["pos"]
+        w, h = n["size"]
+        assert any(g["bounding"][0] <= x and x + w <= g["bounding"][0] + g["bounding"][2] and g["bounding"][1] <= y - 30
+                   and y + h <= g["bounding"][1] + g["bounding"][3] for g in wf["groups"]), f"{n['type']} is in no group"
 
 
 def widget_inputs(info):
@@ -126,8 +155,8 @@ def test_ui_workflows_against_this_packs_nodes(path):
 def test_api_workflows_against_this_packs_nodes(path):
     wf = json.load(open(path))
     check_api(wf, own_node_info())
-    # Patch Attention sits between the model loader and the sampler
-    patch = next(k for k, n in wf.items() if n["class_type"] == "PatchAttention")
+    # Patch Attention (or, in the tuning workflow's first run, Tune SpargeAttn) feeds the sampler its model
+    patch = next(k for k, n in wf.items() if n["class_type"] in ("PatchAttention", "TuneSpargeAttn"))
     sampler = next(n for n in wf.values() if n["class_type"] == "KSampler")
     assert sampler["inputs"]["model"] == [patch, 0]
 
@@ -147,6 +176,8 @@ def test_workflows_against_comfyui_node_definitions(path):
     from comfy_api.internal import _ComfyNodeInternal
 
     def info(node_type):
+        if node_type in FRONTEND_ONLY:
+            return None
         cls = nodes.NODE_CLASS_MAPPINGS.get(node_type)
         assert cls is not None, f"node type {node_type} is not registered in this ComfyUI"
         if issubclass(cls, _ComfyNodeInternal):

@@ -18,21 +18,49 @@ IO = {
     "CheckpointLoaderSimple": ([], ["ckpt_name"], [("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "VAE")]),
     "UNETLoader": ([], ["unet_name", "weight_dtype"], [("MODEL", "MODEL")]),
     "DualCLIPLoader": ([], ["clip_name1", "clip_name2", "type", "device"], [("CLIP", "CLIP")]),
+    "CLIPLoader": ([], ["clip_name", "type", "device"], [("CLIP", "CLIP")]),
     "VAELoader": ([], ["vae_name"], [("VAE", "VAE")]),
+    "ModelSamplingSD3": ([("model", "MODEL")], ["shift"], [("MODEL", "MODEL")]),
     "CLIPTextEncode": ([("clip", "CLIP")], ["text"], [("CONDITIONING", "CONDITIONING")]),
     "FluxGuidance": ([("conditioning", "CONDITIONING")], ["guidance"], [("CONDITIONING", "CONDITIONING")]),
     "EmptyLatentImage": ([], ["width", "height", "batch_size"], [("LATENT", "LATENT")]),
     "EmptySD3LatentImage": ([], ["width", "height", "batch_size"], [("LATENT", "LATENT")]),
+    "EmptyHunyuanLatentVideo": ([], ["width", "height", "length", "batch_size"], [("LATENT", "LATENT")]),
     "KSampler": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent_image", "LATENT")],
                  ["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"], [("LATENT", "LATENT")]),
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [], [("IMAGE", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
+    "SaveAnimatedWEBP": ([("images", "IMAGE")], ["filename_prefix", "fps", "lossless", "quality", "method"], []),
     "PatchAttention": ([("model", "MODEL"), ("sparge_settings", "SPARGE_SETTINGS")],
                        ["backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats",
                         "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite"], [("model", "MODEL")]),
+    "SpargeAttnSettings": ([], ["variant", "simthreshd1", "cdfthreshd", "pvthreshd", "topk", "profile", "report_error_every"],
+                           [("sparge_settings", "SPARGE_SETTINGS")]),
+    "TuneSpargeAttn": ([("model", "MODEL")], ["variant", "error_budget", "profile_name", "pvthreshd_values"],
+                       [("model", "MODEL")]),
     "AttentionBackendsInfo": ([], [], [("report", "STRING")]),
+    "Note": ([], ["text"], []),
 }
+OPTIONAL_LINKS = {("PatchAttention", "sparge_settings")}
+UI_ONLY = {"Note"}  # not in the API format
 SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after generate" value in the UI format
+
+# Estimated node heights in the frontend (title, one row per slot pair, one per widget); the browser test measures
+# the real boxes and fails on any overlap, so these only need to be generous.
+TITLE, SLOT, WIDGET, MULTILINE = 34, 22, 26, 110
+WIDTH = {"PatchAttention": 360, "Note": 380, "AttentionBackendsInfo": 380, "CLIPTextEncode": 400, "KSampler": 320,
+         "SpargeAttnSettings": 340, "TuneSpargeAttn": 340}
+EXTRA_HEIGHT = {"AttentionBackendsInfo": 260, "SaveImage": 260, "SaveAnimatedWEBP": 300}  # room for what they show
+COL_GAP, ROW_GAP, GROUP_PAD = 70, 40, 40
+
+
+def node_size(typ, widgets):
+    ins, names, outs = IO[typ]
+    multiline = {"CLIPTextEncode": 1, "Note": 1}.get(typ, 0)
+    h = TITLE + SLOT * max(len(ins), len(outs)) + WIDGET * (len(names) - multiline) + MULTILINE * multiline
+    if typ == "Note":
+        h = max(h, 60 + 17 * (widgets.get("text", "").count("\n") + len(widgets.get("text", "")) // 52))
+    return [WIDTH.get(typ, 300), h + EXTRA_HEIGHT.get(typ, 0)]
 
 
 def patch_widgets(backend="auto", start=0.0, end=1.0, dense="", log_stats=True):
@@ -40,43 +68,148 @@ def patch_widgets(backend="auto", start=0.0, end=1.0, dense="", log_stats=True):
             "log_stats": log_stats, "auto_retune": False, "auto_min_cos": 0.995, "auto_max_rel_l1": 0.08, "check_finite": True}
 
 
+PATCH_NOTE = (
+    "Patch Attention: the model that comes out attends with the backend you pick; the model that goes in is "
+    "untouched.\n\n"
+    "Try first: backend = auto. On the first run it times every kernel this GPU can run on your model's real "
+    "shapes and keeps the fastest that matches SDPA's accuracy (remembered for later runs). log_stats prints "
+    "which kernel ran, per call kind, after each run.\n\n"
+    "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to "
+    "SDPA, counted. start/end_percent: use the kernel only in this part of the schedule. dense_layers: layers kept "
+    "exact ('0-3, 10'). check_finite: redo a forward whose 8-bit kernel returned NaN.\n\n"
+    "Attention Backends Info (right) shows what is installed and why a kernel cannot run here."
+)
+
+
 def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
-    return [
-        (1, "CheckpointLoaderSimple", {"ckpt_name": ckpt}, {}),
-        (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}),
-        (3, "CLIPTextEncode", {"text": prompt}, {"clip": (1, 1)}),
-        (4, "CLIPTextEncode", {"text": "blurry, low quality"}, {"clip": (1, 1)}),
-        (5, "EmptyLatentImage", {"width": size, "height": size, "batch_size": 1}, {}),
-        (6, "KSampler", {"seed": 42, "steps": steps, "cfg": cfg, "sampler_name": sampler, "scheduler": scheduler, "denoise": 1.0},
-         {"model": (2, 0), "positive": (3, 0), "negative": (4, 0), "latent_image": (5, 0)}),
-        (7, "VAEDecode", {}, {"samples": (6, 0), "vae": (1, 2)}),
-        (8, "SaveImage", {"filename_prefix": "patch_attention"}, {"images": (7, 0)}),
-        (9, "AttentionBackendsInfo", {}, {}),
-    ]
+    return {
+        "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
+        "nodes": [
+            (1, "CheckpointLoaderSimple", {"ckpt_name": ckpt}, {}, 0),
+            (10, "Note", {"text": PATCH_NOTE}, {}, 1),
+            (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}, 1),
+            (9, "AttentionBackendsInfo", {}, {}, 1),
+            (3, "CLIPTextEncode", {"text": prompt}, {"clip": (1, 1)}, 2),
+            (4, "CLIPTextEncode", {"text": "blurry, low quality"}, {"clip": (1, 1)}, 2),
+            (5, "EmptyLatentImage", {"width": size, "height": size, "batch_size": 1}, {}, 2),
+            (6, "KSampler", {"seed": 42, "steps": steps, "cfg": cfg, "sampler_name": sampler, "scheduler": scheduler,
+                             "denoise": 1.0}, {"model": (2, 0), "positive": (3, 0), "negative": (4, 0), "latent_image": (5, 0)}, 3),
+            (7, "VAEDecode", {}, {"samples": (6, 0), "vae": (1, 2)}, 4),
+            (8, "SaveImage", {"filename_prefix": "patch_attention"}, {"images": (7, 0)}, 4),
+        ],
+    }
 
 
 def flux_graph():
-    return [
-        (1, "UNETLoader", {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}, {}),
-        (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}),
-        (3, "DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux",
-                               "device": "default"}, {}),
-        (4, "CLIPTextEncode", {"text": "a lighthouse on a cliff at dawn, photograph"}, {"clip": (3, 0)}),
-        (5, "FluxGuidance", {"guidance": 3.5}, {"conditioning": (4, 0)}),
-        (6, "CLIPTextEncode", {"text": ""}, {"clip": (3, 0)}),
-        (7, "EmptySD3LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}, {}),
-        (8, "KSampler", {"seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
-         {"model": (2, 0), "positive": (5, 0), "negative": (6, 0), "latent_image": (7, 0)}),
-        (9, "VAELoader", {"vae_name": "ae.safetensors"}, {}),
-        (10, "VAEDecode", {}, {"samples": (8, 0), "vae": (9, 0)}),
-        (11, "SaveImage", {"filename_prefix": "patch_attention_flux"}, {"images": (10, 0)}),
-        (12, "AttentionBackendsInfo", {}, {}),
-    ]
+    return {
+        "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
+        "nodes": [
+            (1, "UNETLoader", {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}, {}, 0),
+            (3, "DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux",
+                                   "device": "default"}, {}, 0),
+            (9, "VAELoader", {"vae_name": "ae.safetensors"}, {}, 0),
+            (13, "Note", {"text": PATCH_NOTE}, {}, 1),
+            (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}, 1),
+            (12, "AttentionBackendsInfo", {}, {}, 1),
+            (4, "CLIPTextEncode", {"text": "a lighthouse on a cliff at dawn, photograph"}, {"clip": (3, 0)}, 2),
+            (5, "FluxGuidance", {"guidance": 3.5}, {"conditioning": (4, 0)}, 2),
+            # Flux-dev ignores the negative prompt at cfg 1; a short one instead of an empty box says so
+            (6, "CLIPTextEncode", {"text": "(unused by Flux-dev at cfg 1.0)"}, {"clip": (3, 0)}, 2),
+            (7, "EmptySD3LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}, {}, 2),
+            (8, "KSampler", {"seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
+             {"model": (2, 0), "positive": (5, 0), "negative": (6, 0), "latent_image": (7, 0)}, 3),
+            (10, "VAEDecode", {}, {"samples": (8, 0), "vae": (9, 0)}, 4),
+            (11, "SaveImage", {"filename_prefix": "patch_attention_flux"}, {"images": (10, 0)}, 4),
+        ],
+    }
+
+
+WAN_FILES = {"unet": "wan2.1_t2v_1.3B_fp16.safetensors", "clip": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
+             "vae": "wan_2.1_vae.safetensors"}  # the names ComfyUI's own Wan 2.1 example uses
+
+
+def wan_graph():
+    return {
+        "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
+        "nodes": [
+            (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
+            (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
+            (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
+            (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
+            (13, "Note", {"text": PATCH_NOTE + "\n\nVideo is where kernels pay most: on an H100, auto ran Wan 2.1 "
+                                  "1.3B at 480p/81 frames 1.29x faster than ComfyUI's attention (docs/end-to-end.md)."}, {}, 1),
+            (5, "PatchAttention", patch_widgets(), {"model": (4, 0)}, 1),
+            (12, "AttentionBackendsInfo", {}, {}, 1),
+            (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
+             {"clip": (2, 0)}, 2),
+            (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 2),
+            (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 33, "batch_size": 1}, {}, 2),
+            (9, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
+             {"model": (5, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3),
+            (10, "VAEDecode", {}, {"samples": (9, 0), "vae": (3, 0)}, 4),
+            (11, "SaveAnimatedWEBP", {"filename_prefix": "patch_attention_wan", "fps": 16.0, "lossless": False, "quality": 90,
+                                      "method": "default"}, {"images": (10, 0)}, 4),
+        ],
+    }
+
+
+SPARGE_NOTE = (
+    "SpargeAttn per-layer tuning, in two runs.\n\n"
+    "1. Queue once as it is: Tune SpargeAttn samples dense and, for every attention layer, finds the sparsest "
+    "SpargeAttn thresholds within the error budget; it writes models/sparge_profiles/wan2.1_t2v_1.3B.json.\n\n"
+    "2. Then select the muted group below (click its title) and press Ctrl+M to un-mute it, mute group 1 the same "
+    "way, and queue again: SpargeAttn Settings loads the profile and Patch Attention samples with it.\n\n"
+    "A profile belongs to one model file; another model is refused with the reason."
+)
+
+
+def sparge_graph():
+    return {
+        "groups": [("Load", 0), ("Prompt and latent", 1), ("1 · Tune SpargeAttn (run once)", 2),
+                   ("2 · Sample with the profile (un-mute after run 1)", 3)],
+        "nodes": [
+            (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
+            (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
+            (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
+            (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
+            (20, "Note", {"text": SPARGE_NOTE}, {}, 1),
+            (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
+             {"clip": (2, 0)}, 1),
+            (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 1),
+            (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 33, "batch_size": 1}, {}, 1),
+            (9, "TuneSpargeAttn", {"variant": "sparge", "error_budget": 0.05, "profile_name": "wan2.1_t2v_1.3B",
+                                   "pvthreshd_values": "50"}, {"model": (4, 0)}, 2),
+            (10, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
+             {"model": (9, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 2),
+            (11, "VAEDecode", {}, {"samples": (10, 0), "vae": (3, 0)}, 2),
+            (12, "SaveAnimatedWEBP", {"filename_prefix": "sparge_tuning_run", "fps": 16.0, "lossless": False, "quality": 90,
+                                      "method": "default"}, {"images": (11, 0)}, 2),
+            (13, "SpargeAttnSettings", {"variant": "sparge", "simthreshd1": 0.6, "cdfthreshd": 0.98, "pvthreshd": 50.0,
+                                        "topk": 0.5, "profile": "wan2.1_t2v_1.3B.json", "report_error_every": 0}, {}, 3, 2),
+            (14, "PatchAttention", patch_widgets(backend="sparge"), {"model": (4, 0), "sparge_settings": (13, 0)}, 3, 2),
+            (15, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
+             {"model": (14, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3, 2),
+            (16, "VAEDecode", {}, {"samples": (15, 0), "vae": (3, 0)}, 3, 2),
+            (17, "SaveAnimatedWEBP", {"filename_prefix": "sparge_profile_run", "fps": 16.0, "lossless": False, "quality": 90,
+                                      "method": "default"}, {"images": (16, 0)}, 3, 2),
+        ],
+        # group 2 is laid out as a row under group 1, not as a column
+        "rows": {3: 2},
+    }
+
+
+def _nodes(graph):
+    """(id, type, widgets, links, column, mode) for every node."""
+    for n in graph["nodes"]:
+        nid, typ, widgets, links, col = n[:5]
+        yield nid, typ, widgets, links, col, (n[5] if len(n) > 5 else 0)
 
 
 def to_api(graph):
     api = {}
-    for nid, typ, widgets, links in graph:
+    for nid, typ, widgets, links, _col, mode in _nodes(graph):
+        if typ in UI_ONLY or mode != 0:  # muted nodes are not part of the prompt ComfyUI would queue
+            continue
         inputs = dict(widgets)
         for name, (src, slot) in links.items():
             inputs[name] = [str(src), slot]
@@ -84,22 +217,52 @@ def to_api(graph):
     return api
 
 
+def layout(graph):
+    """Node positions: one column per group, stacked top to bottom; a group listed in ``rows`` is laid out as a row
+    below the group it names.  Returns ({id: (pos, size)}, [(title, bounding)])."""
+    cols = {}
+    for nid, typ, widgets, _l, col, _m in _nodes(graph):
+        cols.setdefault(col, []).append((nid, node_size(typ, widgets)))
+    rows = graph.get("rows", {})
+    place, bounds = {}, {}
+    x = 40
+    for col in sorted(c for c in cols if c not in rows):
+        y = 80
+        w = max(s[0] for _, s in cols[col])
+        for nid, size in cols[col]:
+            place[nid] = ([x + GROUP_PAD / 2, y], size)
+            y += size[1] + ROW_GAP
+        bounds[col] = [x, 40, w + GROUP_PAD, y - 40]
+        x += w + GROUP_PAD + COL_GAP
+    for col, under in rows.items():
+        top = max(b[1] + b[3] for b in bounds.values()) + COL_GAP
+        x = bounds[under][0]
+        h = max(s[1] for _, s in cols[col])
+        for nid, size in cols[col]:
+            place[nid] = ([x + GROUP_PAD / 2, top + 40], size)
+            x += size[0] + COL_GAP
+        bounds[col] = [bounds[under][0], top, x - bounds[under][0], h + 40 + ROW_GAP]
+    titles = dict((c, t) for t, c in graph["groups"])
+    return place, [(titles[c], bounds[c]) for c in sorted(bounds)]
+
+
 def to_ui(graph):
     links, nodes = [], []
     out_links = {}
     lid = 0
-    for nid, _typ, _w, ins in graph:
+    items = list(_nodes(graph))
+    for nid, _typ, _w, ins, _c, _m in items:
         for name, (src, slot) in ins.items():
             lid += 1
             links.append((lid, src, slot, nid, name))
             out_links.setdefault((src, slot), []).append(lid)
-    types = {nid: typ for nid, typ, _, _ in graph}
+    types = {nid: typ for nid, typ, *_ in items}
     ui_links = []
     for lid_, src, slot, dst, name in links:
         in_types = dict(IO[types[dst]][0])
         ui_links.append([lid_, src, slot, dst, [n for n, _ in IO[types[dst]][0]].index(name), in_types[name]])
-    order = {nid: i for i, (nid, *_rest) in enumerate(graph)}
-    for i, (nid, typ, widgets, _ins) in enumerate(graph):
+    place, groups = layout(graph)
+    for order, (nid, typ, widgets, _ins, _col, mode) in enumerate(items):
         link_ins, widget_names, outs = IO[typ]
         values = []
         for w in widget_names:
@@ -109,20 +272,21 @@ def to_ui(graph):
         inputs = []
         for name, t in link_ins:
             link = next((lid_ for lid_, s, sl, d, n in links if d == nid and n == name), None)
-            if link is None and typ == "PatchAttention" and name == "sparge_settings":
-                inputs.append({"name": name, "type": t, "link": None, "shape": 7})
-            elif link is not None or typ != "PatchAttention":
+            if (typ, name) in OPTIONAL_LINKS:
+                inputs.append({"name": name, "type": t, "link": link, "shape": 7})
+            else:
                 inputs.append({"name": name, "type": t, "link": link})
         outputs = [{"name": n, "type": t, "links": out_links.get((nid, k), []), "slot_index": k} for k, (n, t) in enumerate(outs)]
-        col, row = divmod(i, 4)
-        nodes.append({
-            "id": nid, "type": typ, "pos": [40 + 380 * col, 60 + 260 * row], "size": [340, 200], "flags": {},
-            "order": order[nid], "mode": 0, "inputs": inputs, "outputs": outputs,
-            "properties": {"Node name for S&R": typ}, "widgets_values": values,
-        })
+        pos, size = place[nid]
+        node = {"id": nid, "type": typ, "pos": pos, "size": size, "flags": {}, "order": order, "mode": mode,
+                "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": typ}, "widgets_values": values}
+        if typ == "Note":
+            node["color"], node["bgcolor"] = "#432", "#653"
+        nodes.append(node)
     return {
         "last_node_id": max(n["id"] for n in nodes), "last_link_id": lid, "nodes": nodes, "links": ui_links,
-        "groups": [], "config": {}, "extra": {"ds": {"scale": 0.8, "offset": [0, 0]}}, "version": 0.4,
+        "groups": [{"title": t, "bounding": b, "color": "#3f789e", "font_size": 24, "flags": {}} for t, b in groups],
+        "config": {}, "extra": {"ds": {"scale": 0.6, "offset": [0, 0]}}, "version": 0.4,
     }
 
 
@@ -132,6 +296,8 @@ WORKFLOWS = {
     "sdxl_patch_attention": sd_graph("sd_xl_base_1.0.safetensors", 1024, 25, 6.0, "dpmpp_2m", "karras",
                                      "a red vintage car on a coastal road, golden hour"),
     "flux_patch_attention": flux_graph(),
+    "wan21_t2v_patch_attention": wan_graph(),
+    "wan21_sparge_tuning": sparge_graph(),
 }
 
 
