@@ -51,9 +51,9 @@ def comfy():
         args.cpu = True
         # ComfyUI's `nodes` puts comfy/ first on sys.path, where comfy/utils.py would then shadow ComfyUI's top-level
         # `utils` package; main.py imports that package before `nodes`, so do the same.
-        import utils.install_util  # noqa: F401
         import comfy.model_management  # noqa: F401
         import comfy.sample  # noqa: F401
+        import utils.install_util  # noqa: F401
 
         import nodes  # noqa: F401
     except ImportError as e:

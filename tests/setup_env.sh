@@ -4,7 +4,7 @@
 # 1. a venv with torch + torchvision (ComfyUI's model classes import torchvision), used on the CPU;
 # 2. ComfyUI 0.3.64 unpacked outside the tracked tree from ../shared/comfyui/ComfyUI-0.3.64.tgz (or $COMFYUI_TGZ),
 #    with its own requirements.txt (torch lines excluded, so torch stays the one above);
-# 3. the test requirements.
+# 3. the test requirements; 4. Chromium for the browser tier.
 # Afterwards: `. VENV/bin/activate; export COMFYUI_PATH=COMFY_DIR/ComfyUI; python -m pytest tests`.
 set -euo pipefail
 VENV=${1:-.venv}
@@ -34,3 +34,13 @@ else
   echo "setup_env: $TGZ not found: the real-ComfyUI tests will be skipped (set COMFYUI_TGZ or COMFYUI_PATH)" >&2
 fi
 "$PY" -m pip install -q -c "$cons" -r requirements-test.txt
+
+# 4. headless Chromium and its driver for the browser tier (Debian's packages); without them that tier is skipped
+if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; then
+  if command -v apt-get >/dev/null && [ "$(id -u)" = 0 ]; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver) >/dev/null 2>&1 \
+      || echo "setup_env: chromium could not be installed: the browser tests will be skipped" >&2
+  else
+    echo "setup_env: no chromium and no root apt-get: the browser tests will be skipped" >&2
+  fi
+fi

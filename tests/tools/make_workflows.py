@@ -1,6 +1,8 @@
 """Write the example workflows in workflows/, in ComfyUI's UI format and its API format, from one description.
 
-    python tests/tools/make_workflows.py
+    python tests/tools/make_workflows.py                        # the JSON files
+    python tests/tools/make_workflows.py --thumbnails .build/artifacts
+                                    # workflows/<name>.jpg (template browser) from tests/test_browser.py's screenshots
 
 tests/test_workflows.py checks every node type and widget in the output against the node definitions
 (ComfyUI's own where a ComfyUI is found, this pack's always).
@@ -52,6 +54,7 @@ WIDTH = {"PatchAttention": 360, "Note": 380, "AttentionBackendsInfo": 380, "CLIP
          "SpargeAttnSettings": 340, "TuneSpargeAttn": 340}
 EXTRA_HEIGHT = {"AttentionBackendsInfo": 260, "SaveImage": 260, "SaveAnimatedWEBP": 300}  # room for what they show
 COL_GAP, ROW_GAP, GROUP_PAD = 70, 40, 40
+GROUP_TITLE = 80  # from a group's top to its first node's position: the group's title bar, then the node's title
 
 
 def node_size(typ, widgets):
@@ -227,7 +230,7 @@ def layout(graph):
     place, bounds = {}, {}
     x = 40
     for col in sorted(c for c in cols if c not in rows):
-        y = 80
+        y = 40 + GROUP_TITLE
         w = max(s[0] for _, s in cols[col])
         for nid, size in cols[col]:
             place[nid] = ([x + GROUP_PAD / 2, y], size)
@@ -239,9 +242,9 @@ def layout(graph):
         x = bounds[under][0]
         h = max(s[1] for _, s in cols[col])
         for nid, size in cols[col]:
-            place[nid] = ([x + GROUP_PAD / 2, top + 40], size)
+            place[nid] = ([x + GROUP_PAD / 2, top + GROUP_TITLE], size)
             x += size[0] + COL_GAP
-        bounds[col] = [bounds[under][0], top, x - bounds[under][0], h + 40 + ROW_GAP]
+        bounds[col] = [bounds[under][0], top, x - bounds[under][0], h + GROUP_TITLE + ROW_GAP]
     titles = dict((c, t) for t, c in graph["groups"])
     return place, [(titles[c], bounds[c]) for c in sorted(bounds)]
 
@@ -301,7 +304,22 @@ WORKFLOWS = {
 }
 
 
+def thumbnails(shots: str, width: int = 640):
+    from PIL import Image
+
+    for name in WORKFLOWS:
+        img = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
+        img = img.crop((60, 60, min(img.width, 1900), min(img.height, 1250)))  # the canvas, without the side bar
+        img.thumbnail((width, width))
+        img.save(os.path.join(OUT, f"{name}.jpg"), quality=85)
+    print("thumbnails for", ", ".join(WORKFLOWS))
+
+
 def main():
+    import sys
+
+    if "--thumbnails" in sys.argv:
+        return thumbnails(sys.argv[sys.argv.index("--thumbnails") + 1])
     os.makedirs(os.path.join(OUT, "api"), exist_ok=True)
     for name, graph in WORKFLOWS.items():
         with open(os.path.join(OUT, f"{name}.json"), "w") as f:
