@@ -248,6 +248,20 @@ FIXES = (
         new="os.system(f'\"{__import__(\"sys\").executable}\" \"{py_file}\"')",
         why="its kernel-instantiation generator runs `python`, which may be absent or another Python",
     ),
+    Fix(
+        name="sparge-autotune-tools-import",
+        kernel="spas_sage_attn",
+        file="spas_sage_attn/autotune.py",
+        old="from tools.gpu_process import GPUProcessPoolExecutor\nexecutor = GPUProcessPoolExecutor()",
+        new=("try:  # patched by Patch Attention's install.py: `tools` is a folder of the SpargeAttn repository that its\n"
+             "    # package does not install; yunchang (xDiT, raylight) imports this module whenever spas_sage_attn is there\n"
+             "    from tools.gpu_process import GPUProcessPoolExecutor\n"
+             "    executor = GPUProcessPoolExecutor()\n"
+             "except ImportError:\n"
+             "    executor = None  # SpargeAttn's own multi-GPU tuning needs the repository's tools/; nothing else uses it"),
+        why="spas_sage_attn.autotune imports the repository-only module tools.gpu_process, so `import yunchang` fails "
+            "with No module named 'tools' once SpargeAttn is installed",
+    ),
 )
 
 
@@ -619,6 +633,15 @@ for b in REGISTRY.backends():
     else:
         row.update(status="absent", detail=av.reason[:120])
     rows.append(row)
+try:  # what yunchang (xDiT, raylight) imports whenever SpargeAttn is installed
+    import importlib.util
+    if importlib.util.find_spec("spas_sage_attn") is not None:
+        import spas_sage_attn.autotune  # noqa: F401
+        rows.append({{"backend": "spas_sage_attn.autotune", "family": "neighbour", "version": "", "installed": True,
+                     "status": "ok", "detail": "imports (yunchang needs it)"}})
+except Exception as e:
+    rows.append({{"backend": "spas_sage_attn.autotune", "family": "neighbour", "version": "", "installed": True,
+                 "status": "broken", "detail": f"{{type(e).__name__}}: {{e}} (breaks `import yunchang`)"}})
 print("JSON:" + json.dumps(rows))
 """
 

@@ -200,10 +200,22 @@ def run_instantiations(src_dir):
 '''
 
 
+SPARGE_AUTOTUNE = """import torch
+# (upstream: a comment line)
+from tools.gpu_process import GPUProcessPoolExecutor
+executor = GPUProcessPoolExecutor()
+
+class SparseAttentionMeansim(torch.nn.Module):
+    pass
+"""
+
+
 def test_fixes_apply_to_a_copy_of_the_source(tmp_path):
     src = tmp_path / "SpargeAttn"
     src.mkdir()
     (src / "setup.py").write_text(SPARGE_SETUP)
+    (src / "spas_sage_attn").mkdir()
+    (src / "spas_sage_attn" / "autotune.py").write_text(SPARGE_AUTOTUNE)
     (src / "README.md").write_text("x")
     log = tmp_path / "log"
     copy = inst.fetch_source(str(src), tmp_path / "work", log)
@@ -214,6 +226,11 @@ def test_fixes_apply_to_a_copy_of_the_source(tmp_path):
     assert (src / "setup.py").read_text() == SPARGE_SETUP  # the user's source is untouched
     assert not any(f.apply(copy) for f in fixes)  # applying twice finds nothing to change
     compile(text, "setup.py", "exec")
+    # the patched autotune module imports without the repository's tools/ folder (what `import yunchang` does)
+    import runpy
+
+    ns = runpy.run_path(str(copy / "spas_sage_attn" / "autotune.py"))
+    assert ns["executor"] is None and "SparseAttentionMeansim" in ns
 
 
 def test_fetch_source_unpacks_archives(tmp_path):
