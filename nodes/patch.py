@@ -187,9 +187,7 @@ class AttentionOverride:
     def __call__(self, func, *args, **kwargs):
         if func is self._host and len(args) > 1 and self.passthrough and not self.dense_layers:
             # `sdpa` on ComfyUI's own exact function: hand the call over, a few attribute reads (hot path)
-            q, k = args[0], args[1]
-            if q.shape[-1] == k.shape[-1] and (q.ndim == 3 or q.shape[1] == k.shape[1]) \
-                    and not torch.compiler.is_compiling():
+            if _same_heads(args[0], args[1]) and not torch.compiler.is_compiling():
                 self.layer += 1
                 self.config.stats.calls[HOST] += 1
                 return func(*args, **kwargs)
