@@ -26,8 +26,9 @@ if [ -f "$TGZ" ]; then
     tar xzf "$TGZ" -C "$COMFY_DIR"
   fi
   req=$(mktemp)
-  # ComfyUI's requirements up to its "non essential" block, without torch/torchvision/torchaudio
-  sed -n '/^#non essential/q;p' "$COMFY_DIR/ComfyUI/requirements.txt" | grep -v -E '^(torch|torchvision|torchaudio)([<>=~ ].*)?$' >"$req"
+  # ComfyUI's requirements without torch/torchvision/torchaudio. Its "non essential" ones too: without spandrel the
+  # frontend's model-to-node store throws and draws VAELoader/CheckpointLoaderSimple as missing nodes.
+  grep -v -E '^(torch|torchvision|torchaudio)([<>=~ ].*)?$' "$COMFY_DIR/ComfyUI/requirements.txt" >"$req"
   # requests: ComfyUI's server imports it (its frontend manager) without listing it
   "$PY" -m pip install -q -c "$cons" -r "$req" requests
 else
