@@ -80,7 +80,7 @@ PATCH_NOTE = (
     "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to "
     "SDPA, counted. start/end_percent: use the kernel only in this part of the schedule. dense_layers: layers kept "
     "exact ('0-3, 10'). check_finite: redo a forward whose 8-bit kernel returned NaN.\n\n"
-    "Attention Backends Info (right) shows what is installed and why a kernel cannot run here."
+    "Attention Backends Info (below) shows what is installed and why a kernel cannot run here."
 )
 
 
