@@ -420,20 +420,23 @@ def finish(out, layout, spec, skip_output_reshape):
     return out.transpose(1, 2).reshape(b, n, -1)
 
 
-def error_vs_reference(out, q, k, v, heads, mask=None, *, skip_reshape=False, skip_output_reshape=False, fp32=False):
-    """(cosine, relative L1) of ``out`` (what :func:`attention` returned for this call) against dense attention on the
-    same inputs: SDPA in the call's dtype (the run-time checks: a few ms at video sizes), or with ``fp32`` an fp32
-    reference computed in query chunks that fit in memory (tuning, tests).  One device sync."""
-    from .auto import accuracy
+def fp32_reference(q, k, v, heads, mask=None, *, skip_reshape=False, skip_output_reshape=False):
+    """fp32 attention of a ComfyUI-convention call, in the layout :func:`attention` returns, computed in query chunks
+    that fit in memory at video sizes (the contract matrix's reference)."""
     from .reference import reference_attention
 
     q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape)
-    if fp32:
-        ref = reference_attention(*(_to(t, layout, "HND") for t in (q4, k4, v4)), mask4, scale)
-        ref = finish(_to(ref, "HND", layout), layout, spec, skip_output_reshape)
-    else:
-        ref = attention(q, k, v, heads, mask, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
-                        config=_DENSE)
+    ref = reference_attention(*(_to(t, layout, "HND") for t in (q4, k4, v4)), mask4, scale)
+    return finish(_to(ref, "HND", layout), layout, spec, skip_output_reshape)
+
+
+def error_vs_reference(out, q, k, v, heads, mask=None, *, skip_reshape=False, skip_output_reshape=False):
+    """(cosine, relative L1) of ``out`` (what :func:`attention` returned for this call) against dense SDPA in the
+    call's dtype on the same inputs (the run-time checks: a few ms at video sizes).  One device sync."""
+    from .auto import accuracy
+
+    ref = attention(q, k, v, heads, mask, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
+                    config=_DENSE)
     return accuracy(out, ref)
 
 

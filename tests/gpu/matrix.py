@@ -116,14 +116,6 @@ def inputs(c, dev):
     return q, k, v, make_mask(c["mask"], b, h, nq, nk, dev, c["dtype"])
 
 
-def reference(q, k, v, heads, mask, c):
-    """fp32 attention of the case, in ComfyUI's output layout."""
-    q4, k4, v4, layout, spec, mask4, scale = A.dispatch.prepare(q, k, v, heads, mask, c["skip"])
-    to = A.dispatch._to
-    ref = A.reference.reference_attention(*(to(t, layout, "HND") for t in (q4, k4, v4)), mask4, scale)
-    return A.dispatch.finish(to(ref, "HND", layout), layout, spec, c["skip"])
-
-
 def judge(out, ref, dtype, ran):
     """(cos, rel) if the output keeps the class of the backend that ran, else the reason."""
     cls = A.REGISTRY.get(ran).accuracy_class
@@ -157,7 +149,7 @@ def main():
     t0 = time.time()
     for c in all_cases:
         q, k, v, mask = inputs(c, dev)
-        ref = reference(q, k, v, c["h"], mask, c)
+        ref = A.dispatch.fp32_reference(q, k, v, c["h"], mask, skip_reshape=c["skip"], skip_output_reshape=c["skip"])
         lab = label(c)
         for name in names:
             r = res[name]
