@@ -94,6 +94,16 @@ def is_host_exact(func) -> bool:
     return getattr(func, "__name__", None) in HOST_EXACT and getattr(func, "__module__", "") == "comfy.ldm.modules.attention"
 
 
+def _as_float(sig):
+    """A sigma (tensor, number or None) as a float; one device sync for a device tensor."""
+    if sig is None or isinstance(sig, float):
+        return sig
+    try:
+        return float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
+    except Exception:
+        return None
+
+
 def _same_heads(q, k) -> bool:
     """ComfyUI's own functions take no grouped-query call (fewer key heads): those stay with the dispatcher."""
     return q.shape[-1] == k.shape[-1] and (q.ndim == 3 or q.shape[1] == k.shape[1])
@@ -160,18 +170,17 @@ class AttentionOverride:
     def in_range(self, sig) -> bool:
         if self.sigma_range is None or sig is None:
             return True
-        try:
-            s = float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
-        except Exception:
+        s = _as_float(sig)
+        if s is None:
             return True
         hi, lo = self.sigma_range
         return lo <= s <= hi
 
     def phase_of(self, sigma):
         """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
-        if not self.check_sigmas or sigma is None:
+        s = _as_float(sigma) if self.check_sigmas else None
+        if s is None:
             return None
-        s = float(sigma.flatten()[0]) if hasattr(sigma, "flatten") else float(sigma)  # one sync per forward
         return next((p for x, p in self.check_sigmas.items() if abs(x - s) <= 1e-4 * max(abs(x), 1e-6)), None)
 
     def _is_dense(self, layer, topts) -> bool:
@@ -253,7 +262,7 @@ class AttentionOverride:
         self.config.stats.add_metrics(f"{name}@first-call", {"cos_vs_dense": cos, "rel_l1_vs_dense": rel})
         min_cos, max_rel = self._gate()
         if not (cos >= min_cos and rel <= max_rel):
-            log.warning("%s on attention layer %d (q %s, k %s): cos %.5f, rel-L1 %.4f against fp32 attention, beyond "
+            log.warning("%s on attention layer %d (q %s, k %s): cos %.5f, rel-L1 %.4f against dense attention, beyond "
                         "auto's gate (cos >= %g, rel-L1 <= %g); choose auto or an exact backend if the image suffers",
                         name, layer, tuple(q.shape), tuple(k.shape), cos, rel, min_cos, max_rel)
             self.config.stats.count_error(name, f"beyond auto's gate on its first call (rel-L1 {rel:.3f})")
@@ -327,6 +336,8 @@ class _ForwardWrapper(_Wrapper):
         ov = self.override
         cfg = ov.config
         sigma = args[1] if len(args) > 1 else kwargs.get("t")
+        if ov.sigma_range is not None or ov.check_sigmas:
+            sigma = _as_float(sigma)  # read once for both uses below: one sync per forward
         ov.active = ov.in_range(sigma) if ov.sigma_range is not None else True
         ov.check_phase = ov.phase_of(sigma)
         ov.start_forward()
