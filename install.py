@@ -8,15 +8,26 @@ hand with the Python that runs ComfyUI:
     python install.py --yes              # do it
     python install.py --sage-source ~/src/SageAttention --sparge-source ~/src/SpargeAttn
 
+Where a kernel comes from, in this order: already installed and complete; a
+prebuilt wheel that matches this Python, torch, CUDA and platform exactly, from
+an index in ``WHEEL_INDEXES`` and checked by sha256; a build from the pinned
+upstream commit in ``PINS`` (checked by a hash of its source tree) where a CUDA
+toolkit can build it; SageAttention 1.0.6 from PyPI (Triton) otherwise. On
+Windows the ``triton-windows`` release that matches the installed torch comes
+with any kernel that needs Triton.
+
 Every pip call runs with a constraints file that pins the installed torch,
 torchvision and torchaudio; torch is checked again after each step and what a
-step installed is removed if torch moved anyway.
+step installed is removed if torch moved anyway. Every download goes through
+``download()``; ``--mirror DIR`` (or ``PATCH_ATTENTION_MIRROR``) serves them
+from a folder instead, for machines without network and for the tests.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import importlib.util
 import json
 import os
@@ -25,8 +36,11 @@ import re
 import shutil
 import subprocess
 import sys
+import sysconfig
 import tempfile
 import time
+import urllib.parse
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -51,6 +65,174 @@ NVCC_MIN_FOR_ARCH = {(8, 9): (12, 4), (9, 0): (12, 3), (12, 0): (12, 8), (12, 1)
 BUILD_TOOLS = ("setuptools", "wheel", "packaging", "ninja")  # what a --no-build-isolation build imports
 DEFAULT_SET = ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "comfy_kitchen")
 OPTIONAL_SET = ("flash_attn", "flash_attn3", "xformers")  # wheels only; on request (--only/--with)
+
+
+# ============================================================ data: where each kernel comes from
+# The one place to update when upstream moves. Each entry says when and how it was last verified.
+
+@dataclass(frozen=True)
+class Pin:
+    """An upstream commit to build from, checked by ``tree_digest`` of its source (not the archive's bytes:
+    GitHub does not promise byte-stable archives). ``skip``: folders the build never reads (images, examples),
+    left out of the digest so a trimmed copy of the same commit checks too."""
+
+    repo: str
+    commit: str
+    tree_sha256: str
+    skip: tuple[str, ...]
+    verified: str
+
+    @property
+    def url(self) -> str:
+        return f"https://github.com/{self.repo}/archive/{self.commit}.tar.gz"
+
+    def describe(self) -> str:
+        return f"{self.repo}@{self.commit[:7]} (pinned; source tree sha256-checked)"
+
+
+_SAGE_PIN = Pin(
+    repo="thu-ml/SageAttention",
+    commit="d1a57a546c3d395b1ffcbeecc66d81db76f3b4b5",  # main, 2026-01-17 (after tag v2.2.0)
+    tree_sha256="c7bb606cb27638024c3915630ef4508218935d9a9a973589a95c13d462862dad",
+    skip=("assets/", "example/", "bench/"),
+    verified="2026-11-22: built by this script and checked on the H100 (sm 9.0, torch 2.11+cu130, nvcc 13.0, GCC 13)",
+)
+PINS: dict[str, Pin] = {
+    "sageattention": _SAGE_PIN,
+    "sageattn3": _SAGE_PIN,  # sageattention3_blackwell/ of the same tree; not built on real hardware yet
+    "spas_sage_attn": Pin(
+        repo="thu-ml/SpargeAttn",
+        commit="bfd980b781784c04ad6a53e7ee657c0645d99171",  # main, 2025-12-29
+        tree_sha256="702aad0526128de45e1043d6a4c910ae246ab79c2942b253cd1bd6842c014dc4",
+        skip=("assets/", "inference_examples/", "evaluate/"),
+        verified="2026-11-22: built by this script (with the FIXES below) and checked on the H100",
+    ),
+}
+
+
+@dataclass(frozen=True)
+class WheelIndex:
+    name: str
+    url: str
+    platforms: str
+    covers: str
+    used: str  # how this script uses it
+
+
+WHEEL_INDEXES: tuple[WheelIndex, ...] = (
+    WheelIndex("PyPI", "https://pypi.org/simple", "all",
+               "sageattention 1.0.6 (Triton only; 2.x is not on PyPI), triton-windows 3.2-3.8, xformers, comfy-kitchen",
+               "pip's own resolution, under the torch pins"),
+    WheelIndex("woct0rdho/SageAttention releases", "https://github.com/woct0rdho/SageAttention/releases", "Windows x64",
+               "SageAttention 2.2.0 for torch 2.5.1/2.6.0/2.7.1/2.8.0/2.9.0 (post3), 2.9.1 and >= 2.10 (post6, "
+               "libtorch stable ABI); CUDA 12.4-13.0; CPython >= 3.9/3.10 (abi3); kernels for sm 7.5-12.0",
+               "the files in PREBUILT_WHEELS only, each checked by sha256"),
+    WheelIndex("woct0rdho/SpargeAttn releases", "https://github.com/woct0rdho/SpargeAttn/releases", "Windows x64",
+               "SpargeAttn 0.1.0 for torch 2.5.1-2.8.0 (post1-post3) and >= 2.9 (post4); CUDA 12.4-13.0",
+               "not installed: no sha256 of these files is recorded here yet; install one by hand if you want it"),
+)
+
+
+_WHEEL_NAME = re.compile(
+    r"^(?P<dist>[a-z_]+)-(?P<ver>[\d.]+)\+cu(?P<cu>\d+)torch(?P<torch>[\d.]+?)(?P<andhigher>andhigher)?"
+    r"(?:\.post(?P<post>\d+))?-cp(?P<py>\d+)-(?P<abi>abi3|cp\d+)-(?P<plat>\w+)\.whl$"
+)
+
+
+@dataclass(frozen=True)
+class PrebuiltWheel:
+    """One file of a release index. What it covers is read from its name (the publisher's convention:
+    ``cu128torch2.8.0`` is that torch minor; ``torch2.10.0andhigher`` uses libtorch's stable ABI; ``cp310-abi3``
+    is CPython >= 3.10). The publisher documents that the CUDA minor may differ, the major may not."""
+
+    kernel: str
+    index: str
+    tag: str
+    filename: str
+    sha256: str
+
+    @property
+    def url(self) -> str:
+        base = {"woct0rdho/SageAttention releases": "https://github.com/woct0rdho/SageAttention/releases/download"}[self.index]
+        return f"{base}/{self.tag}/{urllib.parse.quote(self.filename)}"
+
+    @property
+    def fields(self) -> dict:
+        mt = _WHEEL_NAME.match(self.filename)
+        if not mt:
+            raise ValueError(f"cannot read {self.filename}")
+        cu = mt["cu"]
+        return {
+            "cuda": (int(cu[:-1]), int(cu[-1])),
+            "torch": tuple(int(x) for x in mt["torch"].split(".")),
+            "andhigher": bool(mt["andhigher"]),
+            "post": int(mt["post"] or 0),
+            "python": (int(mt["py"][0]), int(mt["py"][1:])),
+            "abi3": mt["abi"] == "abi3",
+            "platform": mt["plat"],
+        }
+
+    def rank(self, m: Machine) -> tuple | None:
+        """None if this wheel does not fit ``m``, else a sort key (higher is better)."""
+        f = self.fields
+        if f["platform"] != m.platform_tag or not m.torch_cuda:
+            return None
+        cuda = _version_tuple(m.torch_cuda, r"(\d+)\.(\d+)")
+        if cuda is None or f["cuda"][0] != cuda[0] or f["cuda"] > cuda:
+            return None
+        py = _version_tuple(m.python, r"(\d+)\.(\d+)")
+        if py is None or (py < f["python"] if f["abi3"] else py != f["python"]):
+            return None
+        torch = _version3(m.torch)
+        if f["andhigher"]:
+            if torch < f["torch"]:
+                return None
+            fit = 0
+        elif torch == f["torch"]:
+            fit = 2
+        elif torch[:2] == f["torch"][:2]:
+            fit = 1
+        else:
+            return None
+        return (fit, f["post"], f["torch"])
+
+
+# sha256 of each file as pinned by other installers that hashed the downloaded assets (two independent
+# ones agree on the post6 files); not downloaded here (no network to GitHub). pip checks the hash, so a
+# replaced file is refused, never installed.
+PREBUILT_WHEELS: tuple[PrebuiltWheel, ...] = tuple(
+    PrebuiltWheel("sageattention", "woct0rdho/SageAttention releases", tag, name, sha)
+    for tag, name, sha in (
+        ("v2.2.0-windows.post3", "sageattention-2.2.0+cu124torch2.5.1.post3-cp39-abi3-win_amd64.whl",
+         "b8dc7014d4046f3ee1db774acf8a0f956e5b6620e33cec2d02ab57427e0ed31a"),
+        ("v2.2.0-windows.post3", "sageattention-2.2.0+cu126torch2.6.0.post3-cp39-abi3-win_amd64.whl",
+         "04cc82fbac669e3958650deea8a04843dd0dea005603c4e7241d01bdfce27ab6"),
+        ("v2.2.0-windows.post3", "sageattention-2.2.0+cu128torch2.7.1.post3-cp39-abi3-win_amd64.whl",
+         "7acbe7e274282e1ca9927e9e123bcdd512875492640fe55dce3c8b992506ec91"),
+        ("v2.2.0-windows.post3", "sageattention-2.2.0+cu128torch2.8.0.post3-cp39-abi3-win_amd64.whl",
+         "7dabcd00e63229b28f046c5a69ec37cf4756afb375dbadd1975dadec045ae21c"),
+        ("v2.2.0-windows.post3", "sageattention-2.2.0+cu128torch2.9.0.post3-cp39-abi3-win_amd64.whl",
+         "eb555644b49eacb26f336bbdf0701779a24c5639a620c963f48a14ab65c2c29c"),
+        ("v2.2.0-windows.post3", "sageattention-2.2.0+cu130torch2.9.0.post3-cp39-abi3-win_amd64.whl",
+         "5d6b5799379e3ae66ffd9acd5dcce4a7a17f4e9114a9c24d4e09b69aead20068"),
+        ("v2.2.0-windows.post6", "sageattention-2.2.0+cu128torch2.9.1.post6-cp310-abi3-win_amd64.whl",
+         "867862a3c582a058caf825bedeff6e36cabafe6ca954236db5544b78c626f9e9"),
+        ("v2.2.0-windows.post6", "sageattention-2.2.0+cu130torch2.9.1.post6-cp310-abi3-win_amd64.whl",
+         "5ee9c3fe060481f27bb001b32d8983c468c9b6b03095d84344d4cc4ec44fd74a"),
+        ("v2.2.0-windows.post6", "sageattention-2.2.0+cu128torch2.10.0andhigher.post6-cp310-abi3-win_amd64.whl",
+         "103e06df49486daa87c3338bf2490ada2b074da1422f2b90566a8f2f81a6b76e"),
+        ("v2.2.0-windows.post6", "sageattention-2.2.0+cu130torch2.10.0andhigher.post6-cp310-abi3-win_amd64.whl",
+         "1635283f5c01ec3cda58a784d0d7eabbcaffaf9511d1b263db4750e1ed7958bb"),
+    )
+)
+PREBUILT_VERIFIED = "2026-11-23: file names and hashes recorded; none installed on real Windows hardware by this project"
+
+# The Triton minor each torch minor requires (torch's own Requires-Dist on PyPI, read 2026-11-23 for 2.9-2.14;
+# 2.6-2.8 from PyTorch's release notes). triton-windows follows Triton's version numbers.
+TRITON_FOR_TORCH: dict[tuple[int, int], tuple[int, int]] = {
+    (2, 6): (3, 2), (2, 7): (3, 3), (2, 8): (3, 4), (2, 9): (3, 5), (2, 10): (3, 6),
+    (2, 11): (3, 6), (2, 12): (3, 7), (2, 13): (3, 7), (2, 14): (3, 8),
+}
 
 
 # ============================================================ detection
@@ -80,10 +262,23 @@ class Machine:
     sage_modules: dict = field(default_factory=dict)  # "_qattn_sm90" -> bool
     pinned: dict = field(default_factory=dict)  # torch/torchvision/torchaudio -> version
     build_tools: dict = field(default_factory=lambda: {t: "?" for t in BUILD_TOOLS})  # name -> version or None
+    machine: str = platform.machine().lower()  # "x86_64", "amd64", "aarch64"
+    layout: str = "venv"  # "portable" (python_embeded), "desktop" (ComfyUI Desktop's .venv), "venv", "conda", "system"
+    installer: str | None = "pip"  # "pip", "uv" (uv-made venvs such as Desktop's may lack pip), or None
+    triton: str | None = None  # installed Triton: "3.6.0" ("triton" on Linux, "triton-windows" on Windows)
+    triton_dist: str | None = None
+    python_headers: bool = True  # Python.h (python_embeded has none: nothing can be compiled against it)
+    msvc: bool = False  # cl.exe on PATH (Windows builds)
 
     @property
     def archs(self) -> list[tuple[int, int]]:
         return sorted({g.cc for g in self.gpus})
+
+    @property
+    def platform_tag(self) -> str:
+        if self.os == "Windows":
+            return "win_amd64" if self.machine in ("amd64", "x86_64") else f"win_{self.machine}"
+        return f"linux_{self.machine}" if self.os == "Linux" else self.os.lower()
 
     def to_json(self) -> dict:
         return dataclasses.asdict(self)
@@ -127,8 +322,41 @@ def find_nvcc() -> tuple[str | None, str | None]:
     return None, home
 
 
+def detect_layout(executable: str, prefix: str, base_prefix: str, environ: dict) -> str:
+    """How this Python was installed, from its paths: the ComfyUI distributions differ in what they lack."""
+    exe = executable.replace("\\", "/").lower()
+    if "/python_embeded/" in exe:
+        return "portable"
+    if environ.get("CONDA_PREFIX") and os.path.normcase(environ["CONDA_PREFIX"]) == os.path.normcase(prefix):
+        return "conda"
+    if prefix != base_prefix:
+        root = Path(prefix)
+        try:
+            made_by_uv = any(line.startswith("uv =") for line in (root / "pyvenv.cfg").read_text().splitlines())
+        except OSError:
+            made_by_uv = False
+        # ComfyUI Desktop: a uv-made .venv in its base folder, beside custom_nodes/, with ComfyUI's code elsewhere
+        if root.name == ".venv" and made_by_uv and (root.parent / "custom_nodes").is_dir() and not (root.parent / "main.py").exists():
+            return "desktop"
+        return "venv"
+    return "system"
+
+
+def detect_installer(has_pip: bool, uv: str | None) -> str | None:
+    return "pip" if has_pip else ("uv" if uv else None)
+
+
 def detect() -> Machine:
     m = Machine()
+    m.layout = detect_layout(sys.executable, sys.prefix, sys.base_prefix, dict(os.environ))
+    m.installer = detect_installer(importlib.util.find_spec("pip") is not None, shutil.which("uv"))
+    m.python_headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    m.msvc = m.os == "Windows" and shutil.which("cl") is not None
+    for dist in ("triton-windows", "triton"):
+        v = _dist_version(dist)
+        if v:
+            m.triton, m.triton_dist = v, dist
+            break
     m.cores = os.cpu_count() or 1
     try:
         m.mem_gb = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30
@@ -200,6 +428,8 @@ class Step:
     env: dict = field(default_factory=dict)
     fixes: list = field(default_factory=list)
     source: str | None = None
+    pin: Pin | None = None  # a build from PINS (checked), or None for a source the user gave
+    wheel: PrebuiltWheel | None = None  # a file from PREBUILT_WHEELS (checked)
     subdir: str | None = None
     status: str = "planned"
     detail: str = ""
@@ -269,8 +499,13 @@ def arch_list(archs) -> str:
     return ";".join(f"{a}.{b}" for a, b in archs)
 
 
-def toolkit_problem(m: Machine, archs) -> str | None:
+def toolkit_problem(m: Machine, archs, user_source: bool = False) -> str | None:
     """Why a CUDA extension cannot be built here, or None."""
+    if m.os not in ("Linux", "Windows"):
+        return f"building on {m.os} is not supported"
+    if m.os == "Windows" and not user_source:
+        return ("no build on Windows from the upstream sources (they need the Windows fork's changes); "
+                "give --sage-source/--sparge-source a Windows-ready tree to build one")
     if not m.nvcc:
         return "no CUDA toolkit (nvcc not found; set CUDA_HOME)"
     if not m.torch_cuda:
@@ -282,10 +517,12 @@ def toolkit_problem(m: Machine, archs) -> str | None:
         need = NVCC_MIN_FOR_ARCH.get(a)
         if need and m.nvcc < need:
             return f"nvcc {m.nvcc[0]}.{m.nvcc[1]} is too old for sm_{a[0]}{a[1]} (needs {need[0]}.{need[1]})"
-    if m.gcc is None:
+    if m.os == "Windows" and not m.msvc:
+        return "no C++ compiler (MSVC's cl.exe is not on PATH; run from a Developer Command Prompt)"
+    if m.os == "Linux" and m.gcc is None:
         return "no C++ compiler (g++) found"
-    if m.os != "Linux" and m.os != "Windows":
-        return f"building on {m.os} is not supported"
+    if not m.python_headers:
+        return f"this Python ({m.layout}) has no headers (Python.h), so nothing can be compiled against it"
     return None
 
 
@@ -302,6 +539,32 @@ def _wants(key: str, only, skip) -> bool:
     return key in DEFAULT_SET
 
 
+def pick_wheel(key: str, m: Machine) -> PrebuiltWheel | None:
+    """The best file of PREBUILT_WHEELS for this machine, or None."""
+    ranked = [(w.rank(m), w) for w in PREBUILT_WHEELS if w.kernel == key]
+    ranked = [(r, w) for r, w in ranked if r is not None]
+    return max(ranked, key=lambda rw: rw[0])[1] if ranked else None
+
+
+def triton_need(m: Machine) -> tuple[str | None, str]:
+    """(pip requirement or None, why): the Triton this torch needs, when it is missing or another minor."""
+    want = TRITON_FOR_TORCH.get(_torch_tuple(m.torch))
+    dist = "triton-windows" if m.os == "Windows" else "triton"
+    if want is None:
+        return None, f"no known {dist} pairing for torch {m.torch} (TRITON_FOR_TORCH in install.py)"
+    have = _version_tuple(m.triton, r"(\d+)\.(\d+)") if m.triton else None
+    if have == want and m.triton_dist == dist:
+        return None, f"{m.triton_dist} {m.triton} matches torch {m.torch}"
+    spec = f"{dist}>={want[0]}.{want[1]},<{want[0]}.{want[1] + 1}"
+    if m.triton is None:
+        return spec, f"torch {m.torch} needs Triton {want[0]}.{want[1]}; none is installed"
+    return spec, f"torch {m.torch} needs Triton {want[0]}.{want[1]}; {m.triton_dist} {m.triton} is installed"
+
+
+def _known_bad_here(m: Machine) -> list:
+    return [kb for kb in CAPS.KNOWN_BAD if any(a in kb.archs for a in m.archs)]
+
+
 def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Step]:
     sources = sources or {}
     only, skip = set(only), set(skip)
@@ -315,9 +578,12 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
         return [Step("*", "skip", f"ROCm torch ({m.torch_hip}): these kernels are CUDA-only; PyTorch SDPA stays in use")]
     if not m.gpus:
         return [Step("*", "skip", "no NVIDIA GPU found (torch and nvidia-smi see none): nothing to build, PyTorch SDPA is used")]
+    if m.installer is None:
+        return [Step("*", "skip", f"neither pip nor uv can install into this Python ({m.layout}); "
+                     "install pip (python -m ensurepip) or uv")]
 
     tk_reason = None
-    sage2_built = False
+    sage2 = False  # SageAttention 2 is there or planned
     for key in ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", *OPTIONAL_SET, "comfy_kitchen"):
         k = KERNELS[key]
         if not _wants(key, only, skip):
@@ -328,7 +594,6 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
             steps.append(Step(key, "skip", f"needs {k.describe_arch()}; GPUs here: {describe_gpus(m)}"))
             continue
         if k.source == "build":
-            tk_reason = toolkit_problem(m, archs)
             have = m.installed.get(dist)
             if key == "sageattention" and have and have.startswith("2") and not force:
                 need = {"_qattn_sm80"} | ({"_qattn_sm89"} if any(a >= (8, 9) for a in archs) else set())
@@ -336,35 +601,37 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
                 missing = [x for x in sorted(need) if not m.sage_modules.get(x)]
                 if not missing:
                     steps.append(Step(key, "ok", f"sageattention {have} with {', '.join(sorted(need))}"))
-                    sage2_built = True
-                    continue
-                if tk_reason:
-                    steps.append(Step(key, "skip", f"sageattention {have} lacks {', '.join(missing)}; cannot rebuild: {tk_reason}"))
+                    sage2 = True
                     continue
             elif have and key != "sageattention" and not force:
                 steps.append(Step(key, "ok", f"{dist} {have} already installed"))
                 continue
+            wheel = None if key in sources else pick_wheel(key, m)
+            if wheel:
+                steps.append(Step(key, "wheel", f"prebuilt {wheel.filename} from {wheel.index} (sha256-checked)", wheel=wheel))
+                sage2 = sage2 or key == "sageattention"
+                continue
+            tk_reason = toolkit_problem(m, archs, user_source=key in sources)
             if tk_reason:
-                steps.append(Step(key, "skip", tk_reason))
+                steps.append(Step(key, "skip", tk_reason + ("" if m.os == "Linux" else "; no prebuilt wheel for this torch/CUDA")))
                 continue
             env = {"TORCH_CUDA_ARCH_LIST": arch_list(archs), "MAX_JOBS": str(max_jobs(m))}
             if m.cuda_home:
                 env["CUDA_HOME"] = m.cuda_home
-            fixes = [f for f in FIXES if f.kernel == key and f.applies(m)]
-            src = sources.get(key) or k.upstream
+            pin = None if key in sources else PINS[key]
             steps.append(
                 Step(
                     key, "build", f"build from source for {arch_list(archs)}",
-                    env=env, fixes=fixes, source=src,
+                    env=env, fixes=[f for f in FIXES if f.kernel == key and f.applies(m)],
+                    source=sources.get(key) or pin.url, pin=pin,
                     subdir="sageattention3_blackwell" if key == "sageattn3" else None,
                 )
             )
-            if key == "sageattention":
-                sage2_built = True
+            sage2 = sage2 or key == "sageattention"
             continue
-        # wheels
+        # wheels from PyPI
         if key == "sageattention1":
-            if sage2_built:
+            if sage2:
                 continue  # 2.x covers it; 1.0.6 would replace it (same module name)
             have = m.installed.get("sageattention")
             if have and not force:
@@ -384,15 +651,36 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
             steps.append(Step(key, "skip", f"xformers wheels on PyPI need torch >= 2.10, this is {m.torch}"))
             continue
         steps.append(Step(key, "wheel", "prebuilt wheel matching the pinned torch", pip_args=["--only-binary=:all:", k.pip_name]))
+
+    # Triton: what the Sage/Sparge kernels import. Torch brings it on Linux; on Windows it is the triton-windows
+    # wheel of the same minor as torch's pairing (another minor is what breaks there).
+    tritoned = [s for s in steps if s.action in ("wheel", "build", "ok") and KERNELS.get(s.kernel) and KERNELS[s.kernel].needs_triton]
+    if tritoned:
+        spec, why = triton_need(m)
+        if spec:
+            steps.insert(0, Step("triton", "wheel", why, pip_args=[spec]))
+        elif "no known" in why:
+            for s in tritoned:
+                if s.action != "ok":
+                    s.action, s.reason = "skip", f"needs Triton: {why}"
     if any(s.action == "build" for s in steps):
         missing = [t for t, v in m.build_tools.items() if not v]
         if missing:
             steps.insert(0, Step("build-tools", "wheel", "needed to compile: " + ", ".join(missing), pip_args=missing))
+    for kb in _known_bad_here(m):
+        if any(KERNELS[s.kernel].backends and set(KERNELS[s.kernel].backends) & set(kb.backends)
+               for s in steps if s.kernel in KERNELS and s.action in ("wheel", "build", "ok")):
+            steps.append(Step(", ".join(kb.backends), "note", "not offered here: " + kb.describe()))
     return steps
 
 
 def _torch_tuple(v: str) -> tuple[int, int]:
     return _version_tuple(v, r"(\d+)\.(\d+)") or (0, 0)
+
+
+def _version3(v: str | None) -> tuple[int, int, int]:
+    mt = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", v or "")
+    return (int(mt[1]), int(mt[2]), int(mt[3] or 0)) if mt else (0, 0, 0)
 
 
 def describe_gpus(m: Machine) -> str:
@@ -401,9 +689,10 @@ def describe_gpus(m: Machine) -> str:
 
 def render_plan(m: Machine, steps: list[Step]) -> str:
     lines = [
-        f"Python {m.python} on {m.os}; torch {m.torch or '-'}"
+        f"Python {m.python} on {m.os} ({m.layout}, installs with {m.installer or 'nothing'}); torch {m.torch or '-'}"
         + (f" (CUDA {m.torch_cuda})" if m.torch_cuda else "")
-        + (f" (ROCm {m.torch_hip})" if m.torch_hip else ""),
+        + (f" (ROCm {m.torch_hip})" if m.torch_hip else "")
+        + (f"; {m.triton_dist} {m.triton}" if m.triton else "; no Triton"),
         f"GPUs: {describe_gpus(m)}" + (f" [via {m.gpu_source}]" if m.gpu_source else ""),
         f"nvcc: {'%d.%d' % m.nvcc if m.nvcc else '-'} ({m.nvcc_path or 'not found'}); "
         f"g++: {'%d.%d' % m.gcc if m.gcc else '-'}; {m.cores} cores, {m.mem_gb:.0f} GB",
@@ -415,7 +704,8 @@ def render_plan(m: Machine, steps: list[Step]) -> str:
     for s in steps:
         extra = ""
         if s.action == "build":
-            extra = f"  [{' '.join(f'{k}={v}' for k, v in s.env.items() if k != 'CUDA_HOME')}; source {s.source}]"
+            src = s.pin.describe() if s.pin else f"{s.source} (given; not checked)"
+            extra = f"  [{' '.join(f'{k}={v}' for k, v in s.env.items() if k != 'CUDA_HOME')}; source {src}]"
             for f in s.fixes:
                 extra += f"\n      fix {f.name}: {f.why}"
         lines.append(f"  {s.kernel:<16} {s.action:<6} {s.reason}{extra}")
@@ -437,9 +727,19 @@ class Installer:
         self.constraints = log_dir / "torch-pins.txt"
         self.constraints.write_text("".join(f"{k}=={v}\n" for k, v in m.pinned.items()))
 
+    def installer_cmd(self, verb: str) -> list[str]:
+        """``pip <verb>`` for this Python: its own pip, or uv aimed at it (uv-made venvs may have no pip)."""
+        if self.m.installer == "uv":
+            return [shutil.which("uv") or "uv", "pip", verb, "--python", sys.executable]
+        return [sys.executable, "-m", "pip", verb]
+
     def pip(self, args, log: Path, env=None, position=0) -> int:
-        cmd = [sys.executable, "-m", "pip", "install", "--constraint", str(self.constraints), *self.pip_extra, *args]
+        cmd = [*self.installer_cmd("install"), "--constraint", str(self.constraints), *self.pip_extra, *args]
         return self._stream(cmd, log, env=env, position=position)
+
+    def uninstall(self, names) -> None:
+        subprocess.run([*self.installer_cmd("uninstall"), *([] if self.m.installer == "uv" else ["-y"]), *names],
+                       capture_output=True)
 
     def _stream(self, cmd, log: Path, env=None, position=0) -> int:
         full_env = dict(os.environ)
@@ -493,7 +793,7 @@ class Installer:
         if moved:
             new = sorted(self.installed_now() - before)
             if new:
-                subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", *new], capture_output=True)
+                self.uninstall(new)
             for s in group:
                 s.status, s.detail = "failed", f"torch moved ({moved}); removed {', '.join(new) or 'nothing'}"
 
@@ -502,7 +802,9 @@ class Installer:
         log.write_text("")
         print(f"== {s.kernel}: {s.action} ({s.reason}); log {log}", flush=True)
         t0 = time.time()
-        if s.action == "wheel":
+        if s.action == "wheel" and s.wheel:
+            rc = self.install_prebuilt(s.wheel, log, position)
+        elif s.action == "wheel":
             rc = self.pip(s.pip_args, log, position=position)
         else:
             rc = self.build(s, log, position)
@@ -526,14 +828,24 @@ class Installer:
             names = KERNELS[s.kernel].backends
             mine = [by_name[n] for n in names if n in by_name]
             if mine and not any(r["status"] == "ok" for r in mine):
-                dist = KERNELS[s.kernel].pip_name.split("==")[0]
-                subprocess.run([sys.executable, "-m", "pip", "uninstall", "-y", dist], capture_output=True)
+                self.uninstall([KERNELS[s.kernel].pip_name.split("==")[0]])
                 why = mine[0]["detail"]
                 s.status, s.detail = "removed", f"installed but cannot run here ({why}); uninstalled"
 
+    def install_prebuilt(self, w: PrebuiltWheel, log: Path, position=0) -> int:
+        dest = self.log_dir / "downloads" / w.filename
+        try:
+            download(w.url, dest, sha256=w.sha256)
+        except DownloadError as e:
+            with open(log, "a") as f:
+                f.write(f"download failed: {e}\n")
+            return 1
+        # --no-deps: these wheels name torch as a dependency; the torch that is here is the one they were picked for
+        return self.pip(["--no-deps", str(dest)], log, position=position)
+
     def build(self, s: Step, log: Path, position=0) -> int:
         work = Path(tempfile.mkdtemp(prefix=f"pa-build-{s.kernel}-"))
-        src = fetch_source(s.source, work / "src", log)
+        src = fetch_pinned(s.pin, work / "src", log) if s.pin else fetch_source(s.source, work / "src", log)
         if src is None:
             return 1
         root = src / s.subdir if s.subdir else src
@@ -542,6 +854,78 @@ class Installer:
                 ok = fix.apply(root)
                 f.write(f"fix {fix.name}: {'applied' if ok else 'not needed (pattern absent)'}\n")
         return self.pip(["--no-build-isolation", "--no-deps", "-v", str(root)], log, env=s.env, position=position)
+
+
+class DownloadError(Exception):
+    pass
+
+
+def download(url: str, dest: Path, *, sha256: str | None = None, mirror: str | None = None) -> Path:
+    """Every download of this script goes through here. With a mirror folder (``--mirror`` or
+    ``PATCH_ATTENTION_MIRROR``) the file is taken from ``<mirror>/<file name>`` instead of the network.
+    A given sha256 is checked; a mismatch deletes the file and raises."""
+    mirror = mirror or os.environ.get("PATCH_ATTENTION_MIRROR")
+    name = urllib.parse.unquote(url.rsplit("/", 1)[-1])
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dest.with_name(dest.name + ".part")
+    try:
+        if mirror:
+            src = Path(mirror) / name
+            if not src.is_file():
+                raise DownloadError(f"{name} is not in the mirror folder {mirror}")
+            shutil.copyfile(src, tmp)
+        else:
+            req = urllib.request.Request(url, headers={"User-Agent": "patch-attention-install"})
+            with urllib.request.urlopen(req, timeout=60) as r, open(tmp, "wb") as f:
+                shutil.copyfileobj(r, f, 1 << 20)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        raise DownloadError(f"cannot download {url}: {e}") from e
+    if sha256:
+        got = file_sha256(tmp)
+        if got != sha256:
+            tmp.unlink(missing_ok=True)
+            raise DownloadError(f"sha256 mismatch for {name}: expected {sha256}, got {got} (file replaced upstream?)")
+    tmp.replace(dest)
+    return dest
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def tree_digest(root: Path, skip=()) -> str:
+    """sha256 over (path, sha256 of content) of every file under ``root``, paths sorted as strings; files under
+    a ``skip`` prefix are left out. The same for a git checkout, a GitHub archive or a trimmed copy of it."""
+    h = hashlib.sha256()
+    rels = sorted(p.relative_to(root).as_posix() for p in root.rglob("*") if p.is_file())
+    for rel in rels:
+        if rel.startswith(tuple(skip)) or rel.startswith(".git/"):
+            continue
+        h.update(rel.encode() + b"\0" + file_sha256(root / rel).encode() + b"\n")
+    return h.hexdigest()
+
+
+def fetch_pinned(pin: Pin, dest: Path, log: Path) -> Path | None:
+    """The pinned commit's archive, unpacked into ``dest`` and checked against ``pin.tree_sha256``."""
+    archive = dest.parent / f"{pin.repo.replace('/', '-')}-{pin.commit}.tar.gz"
+    with open(log, "a") as f:
+        try:
+            download(pin.url, archive)
+        except DownloadError as e:
+            f.write(f"{e}\n")
+            return None
+        root = fetch_source(str(archive), dest, log)
+        got = tree_digest(root, pin.skip) if root else None
+        if got != pin.tree_sha256:
+            f.write(f"source tree sha256 mismatch for {pin.repo}@{pin.commit}: expected {pin.tree_sha256}, got {got}\n")
+            return None
+        f.write(f"source {pin.repo}@{pin.commit}: tree sha256 {got} matches the pin\n")
+    return root
 
 
 def fetch_source(source: str, dest: Path, log: Path) -> Path | None:
@@ -564,8 +948,9 @@ def fetch_source(source: str, dest: Path, log: Path) -> Path | None:
 
 
 CAUSES = (  # first match wins: a missing network explains "no matching distribution" too
-    (r"Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection|Could not resolve host",
-     "no network: use --find-links DIR --no-index for wheels and local --sage-source/--sparge-source paths"),
+    (r"Temporary failure in name resolution|Network is unreachable|Failed to establish a new connection|Could not resolve host"
+     r"|cannot download .*(Errno|urlopen)",
+     "no network: use --mirror DIR for pinned sources and wheels, --find-links DIR --no-index for PyPI wheels"),
     (r"redefinition of .*__terminate", "GCC >= 13 with CUDA 13 and '-include cassert' (the sparge-cassert-gcc13 fix)"),
     (r"nvcc.*not found|No CUDA runtime is found|CUDA_HOME environment variable is not set", "no CUDA toolkit: install it or set CUDA_HOME"),
     (r"The detected CUDA version \(.*\) mismatches", "nvcc and torch's CUDA differ: install the toolkit matching torch"),
@@ -574,6 +959,8 @@ CAUSES = (  # first match wins: a missing network explains "no matching distribu
     (r"Cannot install .* because these package versions have conflicting|ResolutionImpossible", "it would need another torch (the pins refused it)"),
     (r"unsupported GNU version", "host compiler too new for this nvcc: set CC/CXX to an older gcc"),
     (r"source .* is neither a path nor a git URL", "the source given is neither a local path nor a git URL"),
+    (r"sha256 mismatch", "a download does not match its pinned hash: refused (see the log for both hashes)"),
+    (r"is not in the mirror folder", "the --mirror folder lacks a file (its name is in the log)"),
 )
 
 
@@ -671,11 +1058,18 @@ def parse(argv=None):
     p.add_argument("--log-dir", default=str(HERE / ".build" / "logs"))
     p.add_argument("--find-links", action="append", default=[], help="passed to pip (offline wheels)")
     p.add_argument("--no-index", action="store_true", help="passed to pip")
+    p.add_argument("--mirror", help="take pinned sources and prebuilt wheels from this folder (by file name), not the network")
+    p.add_argument("--sources", action="store_true", help="print where each kernel comes from (pins, wheel indexes) and exit")
     return p.parse_args(argv)
 
 
 def main(argv=None) -> int:
     a = parse(argv)
+    if a.sources:
+        print(render_sources())
+        return 0
+    if a.mirror:
+        os.environ["PATCH_ATTENTION_MIRROR"] = os.path.abspath(a.mirror)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     only = split(a.only)
     if a.with_:
@@ -726,7 +1120,23 @@ def main(argv=None) -> int:
 def _step_json(s: Step) -> dict:
     d = dataclasses.asdict(s)
     d["fixes"] = [f.name for f in s.fixes]
+    d["wheel"] = {"file": s.wheel.filename, "url": s.wheel.url, "sha256": s.wheel.sha256} if s.wheel else None
+    d["pin"] = {"repo": s.pin.repo, "commit": s.pin.commit, "tree_sha256": s.pin.tree_sha256} if s.pin else None
     return d
+
+
+def render_sources() -> str:
+    lines = ["pinned sources (built where a CUDA toolkit can):"]
+    for key, p in PINS.items():
+        lines.append(f"  {key:<16} {p.repo}@{p.commit}  tree sha256 {p.tree_sha256[:16]}...  verified {p.verified}")
+    lines.append("\nwheel indexes:")
+    for ix in WHEEL_INDEXES:
+        lines.append(f"  {ix.name} ({ix.platforms}) {ix.url}\n      covers: {ix.covers}\n      used: {ix.used}")
+    lines.append(f"\nprebuilt wheels ({PREBUILT_VERIFIED}):")
+    for w in PREBUILT_WHEELS:
+        lines.append(f"  {w.kernel:<16} {w.filename}")
+    lines.append("\nTriton per torch: " + ", ".join(f"{a}.{b}->{c}.{d}" for (a, b), (c, d) in TRITON_FOR_TORCH.items()))
+    return "\n".join(lines)
 
 
 if __name__ == "__main__":

@@ -25,6 +25,7 @@ class Kernel:
     note: str = ""
     arch_families: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     backends: tuple[str, ...] = ()  # registry names this package provides
+    needs_triton: bool = False  # imports triton (on Windows: the triton-windows wheel matching torch)
 
     def runs_on(self, cc: tuple[int, int]) -> bool:
         if self.min_cc is not None and tuple(cc) < self.min_cc:
@@ -52,6 +53,7 @@ KERNELS: dict[str, Kernel] = {
     for k in (
         Kernel(
             key="sageattention",
+            needs_triton=True,
             backends=("sage", "sage_triton", "sage_fp16_cuda", "sage_fp8_cuda", "sage_fp8_cuda_fp16acc", "sage_fp8_sm90"),
             import_name="sageattention",
             pip_name="sageattention",
@@ -62,6 +64,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="sageattention1",
+            needs_triton=True,
             backends=("sage1_triton",),
             import_name="sageattention",
             pip_name="sageattention==1.0.6",
@@ -81,6 +84,7 @@ KERNELS: dict[str, Kernel] = {
         ),
         Kernel(
             key="spas_sage_attn",
+            needs_triton=True,
             backends=("sparge", "sparge_topk", "sparge_sage1"),
             import_name="spas_sage_attn",
             pip_name="spas_sage_attn",
@@ -137,6 +141,47 @@ KERNELS: dict[str, Kernel] = {
         ),
     )
 }
+
+
+@dataclass(frozen=True)
+class KnownBad:
+    """Backends that gave NaN or wrong output on some architectures: not offered there.
+
+    ``confirmed`` says whether this project reproduced it; a report with a reproduction and an upstream
+    fix is enough to stop offering the kernel (it would be worse than SDPA: a black image), not to call it
+    proven. The dispatcher refuses these backends on ``archs`` with ``reason`` (Attention Backends Info
+    shows it) and ``install.py`` lists it in the plan.
+    """
+
+    backends: tuple[str, ...]
+    archs: tuple[tuple[int, int], ...]
+    reason: str
+    reference: str
+    confirmed: bool = False
+
+    def describe(self) -> str:
+        archs = ", ".join(f"sm {a}.{b}" for a, b in self.archs)
+        how = "confirmed here" if self.confirmed else "reported upstream, not reproduced here"
+        return f"known bad on {archs}: {self.reason} ({self.reference}; {how})"
+
+
+KNOWN_BAD: tuple[KnownBad, ...] = (
+    KnownBad(
+        # SageAttention 2.2's sageattn() sends sm 8.6 to the Triton kernel; sm 8.0 gets the CUDA fp16 one.
+        backends=("sage", "sage_triton"),
+        archs=((8, 6),),
+        reason="SageAttention 2's Triton kernel (what sageattn() runs on sm 8.6) gives NaN, i.e. black images, "
+        "on Qwen-Image; sage_fp16_cuda is the reporter's fix",
+        reference="ComfyUI #9773",
+    ),
+)
+
+
+def known_bad(backend: str, cc: tuple[int, int]) -> KnownBad | None:
+    for kb in KNOWN_BAD:
+        if backend in kb.backends and tuple(cc) in kb.archs:
+            return kb
+    return None
 
 
 def arch_name(cc: tuple[int, int]) -> str:

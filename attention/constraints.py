@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capabilities import KERNELS
+from .capabilities import KERNELS, KnownBad
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -109,6 +109,21 @@ class ComputeCapability(Constraint):
         if self.max:
             parts.append(f"<= {self.max[0]}.{self.max[1]}")
         return "compute capability " + " and ".join(parts)
+
+
+@dataclass(frozen=True)
+class NotKnownBad(Constraint):
+    """Refuses the archs where the kernel is known to give NaN or wrong output (``capabilities.KNOWN_BAD``)."""
+
+    entry: KnownBad
+
+    def check(self, spec):
+        if spec.device_type == "cuda" and spec.cc in self.entry.archs:
+            return self.entry.describe()
+        return None
+
+    def describe(self):
+        return "not on " + ", ".join(f"sm {a}.{b}" for a, b in self.entry.archs) + f" ({self.entry.reference})"
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .constraints import CallSpec, Constraint, plan
+from .capabilities import KNOWN_BAD
+from .constraints import CallSpec, Constraint, NotKnownBad, plan
 
 log = logging.getLogger("patch_attention.registry")
 
@@ -128,6 +129,10 @@ class Registry:
         bad = [x for x in backend.layouts if x not in LAYOUTS]
         if bad or not backend.layouts:
             raise ValueError(f"backend {backend.name!r}: layouts must be from {LAYOUTS}, got {backend.layouts}")
+        # Known-bad archs are declared once, in capabilities.KNOWN_BAD (install.py reads the same table).
+        backend.constraints = tuple(backend.constraints) + tuple(
+            NotKnownBad(kb) for kb in KNOWN_BAD if backend.name in kb.backends
+        )
         self._backends[backend.name] = backend
         return backend
 

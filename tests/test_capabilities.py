@@ -89,3 +89,33 @@ def test_capability_table_and_registry_agree_on_arch_windows():
     for name in ("sparge", "sparge_topk", "sparge_sage1"):
         cc_rules = [c for c in REGISTRY.get(name).constraints if type(c).__name__ == "ComputeCapability"]
         assert cc_rules[0].min == KERNELS["spas_sage_attn"].min_cc and cc_rules[0].max == KERNELS["spas_sage_attn"].max_cc
+
+
+def test_known_bad_archs_are_refused_with_the_reason():
+    """capabilities.KNOWN_BAD is the one table: the registry adds the refusal, install.py lists it in the plan."""
+    import torch
+
+    from attention import REGISTRY
+    from attention.capabilities import KNOWN_BAD, known_bad
+    from attention.constraints import plan
+    from attention.dispatch import make_spec
+
+    q = torch.empty((1, 4096, 24, 128), dtype=torch.float16, device="meta")
+    base = make_spec(q, q, q, "NHD", None).replace(device_type="cuda", dtype=torch.float16)
+    for kb in KNOWN_BAD:
+        for name in kb.backends:
+            b = REGISTRY.get(name)
+            for arch in kb.archs:
+                why = plan(b.constraints, base.replace(cc=arch))[1]
+                assert why and kb.reference in why and kb.reason in why
+                assert known_bad(name, arch) is kb
+            assert "not on sm" in b.describe()
+    assert plan_ok("sage_fp16_cuda", base.replace(cc=(8, 6)))  # the reporter's fix stays offered
+    assert plan_ok("sage_triton", base.replace(cc=(8, 9)))
+
+
+def plan_ok(name, spec):
+    from attention import REGISTRY
+    from attention.constraints import plan
+
+    return plan(REGISTRY.get(name).constraints, spec)[1] is None

@@ -2,6 +2,7 @@
 
 import importlib.util
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,12 +24,27 @@ inst = _load()
 
 
 def machine(gpus=(("NVIDIA H100 80GB HBM3", (9, 0)),), nvcc=(13, 0), torch="2.11.0+cu130", cuda="13.0", gcc=(13, 3), **kw):
+    """A Linux venv by default (torch's Linux wheels bring their Triton)."""
+    kw.setdefault("os", "Linux")
+    kw.setdefault("machine", "x86_64")
+    kw.setdefault("python", "3.12.3")
+    if kw["os"] == "Linux":
+        kw.setdefault("triton", {(2, 11): "3.6.0", (2, 8): "3.4.0", (2, 12): "3.7.0"}.get(inst._torch_tuple(torch)))
+        kw.setdefault("triton_dist", "triton" if kw["triton"] else None)
     return inst.Machine(
         torch=torch, torch_cuda=cuda, gpus=[inst.GPU(n, cc) for n, cc in gpus], nvcc=nvcc,
         nvcc_path="/usr/local/cuda/bin/nvcc" if nvcc else None, cuda_home="/usr/local/cuda" if nvcc else None,
         gcc=gcc, cores=16, mem_gb=128, pinned={"torch": torch.split("+")[0]},
         build_tools={t: "1" for t in inst.BUILD_TOOLS}, **kw,
     )
+
+
+def windows(gpus, torch, python="3.12.10", layout="portable", installer="pip", triton=None, nvcc=None, **kw):
+    """ComfyUI on Windows as users have it: no toolkit, no compiler; portable's python_embeded has no headers."""
+    cuda = {"cu124": "12.4", "cu126": "12.6", "cu128": "12.8", "cu129": "12.9", "cu130": "13.0"}[torch.split("+")[1]]
+    return machine(gpus=gpus, torch=torch, cuda=cuda, nvcc=nvcc, gcc=None, os="Windows", machine="amd64", python=python,
+                   layout=layout, installer=installer, triton=triton, triton_dist="triton-windows" if triton else None,
+                   python_headers=layout != "portable", **kw)
 
 
 def actions(steps):
@@ -327,3 +343,287 @@ def test_build_progress_follows_ninja_lines_in_pip_verbose_output(monkeypatch):
         feed(line)
     feed(None)
     assert bars[0].n == 57 and bars[0].total == 292 and bars[0].closed
+
+
+# ------------------------------------------------------------------ the machines ComfyUI users have (simulated)
+
+def step(steps, kernel):
+    return next(s for s in steps if s.kernel == kernel)
+
+
+RTX5090, RTX4090, RTX3060, A100, B200 = ("RTX 5090", (12, 0)), ("RTX 4090", (8, 9)), ("RTX 3060", (8, 6)), ("A100", (8, 0)), ("B200", (10, 0))
+
+# (name, machine, expected action per kernel, expected prebuilt wheel or pin, expected triton requirement)
+MATRIX = [
+    ("win portable, 5090, torch 2.10 cu130, py3.13", lambda: windows((RTX5090,), "2.10.0+cu130", python="3.13.9"),
+     {"sageattention": "wheel", "sageattn3": "skip", "spas_sage_attn": "skip", "comfy_kitchen": "wheel"},
+     "sageattention-2.2.0+cu130torch2.10.0andhigher.post6-cp310-abi3-win_amd64.whl", "triton-windows>=3.6,<3.7"),
+    ("win portable, 5090, torch 2.11 cu128 (andhigher, CUDA major)", lambda: windows((RTX5090,), "2.11.0+cu128"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu128torch2.10.0andhigher.post6-cp310-abi3-win_amd64.whl",
+     "triton-windows>=3.6,<3.7"),
+    ("win portable, 4090, torch 2.8 cu128", lambda: windows((RTX4090,), "2.8.0+cu128"),
+     {"sageattention": "wheel", "spas_sage_attn": "skip", "comfy_kitchen": "skip"},
+     "sageattention-2.2.0+cu128torch2.8.0.post3-cp39-abi3-win_amd64.whl", "triton-windows>=3.4,<3.5"),
+    ("win portable, cu129 torch takes the cu128 file (same CUDA major)", lambda: windows((RTX4090,), "2.8.0+cu129"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu128torch2.8.0.post3-cp39-abi3-win_amd64.whl", "triton-windows>=3.4,<3.5"),
+    ("win venv, 3060, torch 2.9.1 cu128 (exact beats same-minor)", lambda: windows((RTX3060,), "2.9.1+cu128", layout="venv"),
+     {"sageattention": "wheel", "sage, sage_triton": "note"},
+     "sageattention-2.2.0+cu128torch2.9.1.post6-cp310-abi3-win_amd64.whl", "triton-windows>=3.5,<3.6"),
+    ("win venv, 4090, torch 2.9.0 cu130 (post3 exact)", lambda: windows((RTX4090,), "2.9.0+cu130", layout="venv"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu130torch2.9.0.post3-cp39-abi3-win_amd64.whl", "triton-windows>=3.5,<3.6"),
+    ("win venv, torch 2.7.0 takes the 2.7.1 file (same minor)", lambda: windows((RTX4090,), "2.7.0+cu128", layout="venv"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu128torch2.7.1.post3-cp39-abi3-win_amd64.whl", "triton-windows>=3.3,<3.4"),
+    ("win desktop (uv, no pip), 4090, torch 2.8 with the wrong triton-windows",
+     lambda: windows((RTX4090,), "2.8.0+cu128", layout="desktop", installer="uv", triton="3.3.1.post19"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu128torch2.8.0.post3-cp39-abi3-win_amd64.whl", "triton-windows>=3.4,<3.5"),
+    ("win desktop, 5090, torch 2.10 cu130 with the right triton-windows",
+     lambda: windows((RTX5090,), "2.10.0+cu130", layout="desktop", installer="uv", triton="3.6.0.post26"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu130torch2.10.0andhigher.post6-cp310-abi3-win_amd64.whl", None),
+    ("win portable, torch 2.10 cu126: no file, SageAttention 1 from PyPI", lambda: windows((RTX4090,), "2.10.0+cu126"),
+     {"sageattention": "skip", "sageattention1": "wheel"}, None, "triton-windows>=3.6,<3.7"),
+    ("win portable, py3.9 cannot take the cp310-abi3 post6 file: the cp39 one of the same minor",
+     lambda: windows((RTX4090,), "2.9.1+cu128", python="3.9.13"),
+     {"sageattention": "wheel"}, "sageattention-2.2.0+cu128torch2.9.0.post3-cp39-abi3-win_amd64.whl", "triton-windows>=3.5,<3.6"),
+    ("win portable, py3.9 with torch 2.10: no file", lambda: windows((RTX4090,), "2.10.0+cu128", python="3.9.13"),
+     {"sageattention": "skip", "sageattention1": "wheel"}, None, "triton-windows>=3.6,<3.7"),
+    ("linux venv, H100, toolkit: pinned build", lambda: machine(),
+     {"sageattention": "build", "spas_sage_attn": "build", "sageattn3": "skip"}, "pin", None),
+    ("linux venv, B200, toolkit: SageAttention 2 and 3 from the pin", lambda: machine(gpus=(B200,)),
+     {"sageattention": "build", "sageattn3": "build", "spas_sage_attn": "skip"}, "pin", None),
+    ("linux venv, A100, CUDA 12.8 toolkit", lambda: machine(gpus=(A100,), torch="2.8.0+cu128", cuda="12.8", nvcc=(12, 8)),
+     {"sageattention": "build", "spas_sage_attn": "build"}, "pin", None),
+    ("linux venv, 3060, toolkit: built, two backends not offered", lambda: machine(gpus=(RTX3060,)),
+     {"sageattention": "build", "sage, sage_triton": "note"}, "pin", None),
+    ("linux venv, 4090, no toolkit: SageAttention 1 from PyPI", lambda: machine(gpus=(RTX4090,), nvcc=None),
+     {"sageattention": "skip", "sageattention1": "wheel", "spas_sage_attn": "skip"}, None, None),
+    ("linux conda torch without triton", lambda: machine(gpus=(RTX4090,), triton=None, layout="conda"),
+     {"sageattention": "build"}, "pin", "triton>=3.6,<3.7"),
+    ("linux, 5090, torch 2.12 cu130, toolkit", lambda: machine(gpus=(RTX5090,), torch="2.12.0+cu130"),
+     {"sageattention": "build", "sageattn3": "build", "spas_sage_attn": "skip"}, "pin", None),
+]
+
+
+@pytest.mark.parametrize("name, make, expect, source, triton", MATRIX, ids=[m[0] for m in MATRIX])
+def test_plan_matrix(name, make, expect, source, triton):
+    m = make()
+    steps = inst.plan(m)
+    a = actions(steps)
+    for k, v in expect.items():
+        assert a.get(k) == v, (k, a, [(s.kernel, s.reason) for s in steps])
+    sage = step(steps, "sageattention")
+    if source == "pin":
+        assert sage.pin is inst.PINS["sageattention"] and sage.source == inst.PINS["sageattention"].url
+    elif source:
+        assert sage.wheel and sage.wheel.filename == source and len(sage.wheel.sha256) == 64
+    else:
+        assert sage.wheel is None and sage.pin is None
+    t = [s for s in steps if s.kernel == "triton"]
+    assert (t[0].pip_args == [triton]) if triton else not t, [(s.kernel, s.pip_args) for s in t]
+    if triton:
+        assert steps.index(t[0]) < steps.index(next(s for s in steps if s.action in ("wheel", "build") and s.kernel != "triton"))
+    # never a step that names torch
+    for s in steps:
+        assert not any(re.match(r"(torch|torchvision|torchaudio)\b", x) for x in s.pip_args), s
+    text = inst.render_plan(m, steps)
+    assert m.layout in text and "plan:" in text
+
+
+def test_windows_never_builds_upstream_sources_but_a_given_tree_with_msvc():
+    m = windows((RTX5090,), "2.10.0+cu126", layout="venv", nvcc=(12, 8))
+    assert "no build on Windows" in step(inst.plan(m), "sageattention").reason
+    m2 = windows((RTX5090,), "2.10.0+cu126", layout="venv", nvcc=(12, 8))
+    assert "MSVC" in step(inst.plan(m2, sources={"sageattention": "C:/src/Sage"}), "sageattention").reason
+    m2.msvc = True
+    s = step(inst.plan(m2, sources={"sageattention": "C:/src/Sage"}), "sageattention")
+    assert s.action == "build" and s.pin is None and s.source == "C:/src/Sage"
+    m3 = windows((RTX5090,), "2.10.0+cu126", layout="portable", nvcc=(12, 8), msvc=True)
+    assert "no headers" in step(inst.plan(m3, sources={"sageattention": "C:/src/Sage"}), "sageattention").reason
+
+
+def test_a_given_source_beats_the_prebuilt_wheel():
+    s = step(inst.plan(windows((RTX4090,), "2.8.0+cu128", layout="venv", nvcc=(12, 8), msvc=True),
+                       sources={"sageattention": "C:/src/Sage"}), "sageattention")
+    assert s.action == "build" and s.wheel is None
+
+
+def test_unknown_torch_gets_no_triton_guess():
+    m = windows((RTX5090,), "2.15.0+cu130")
+    steps = inst.plan(m)
+    sage = step(steps, "sageattention")
+    assert sage.action == "skip" and "no known triton-windows pairing for torch 2.15.0" in sage.reason
+    assert not [s for s in steps if s.kernel == "triton"]
+
+
+def test_no_pip_and_no_uv_is_said_plainly():
+    steps = inst.plan(windows((RTX4090,), "2.8.0+cu128", installer=None))
+    assert [s.action for s in steps] == ["skip"] and "neither pip nor uv" in steps[0].reason
+
+
+def test_known_bad_note_names_the_reason_and_reference():
+    note = step(inst.plan(windows((RTX3060,), "2.9.1+cu128")), "sage, sage_triton")
+    assert "ComfyUI #9773" in note.reason and "not reproduced here" in note.reason
+    assert not [s for s in inst.plan(windows((RTX4090,), "2.9.1+cu128")) if s.action == "note"]
+
+
+def test_every_prebuilt_wheel_parses_and_is_hash_pinned():
+    for w in inst.PREBUILT_WHEELS:
+        f = w.fields
+        assert f["platform"] == "win_amd64" and f["abi3"] and len(w.sha256) == 64 and int(w.sha256, 16) >= 0
+        assert w.url.startswith("https://github.com/woct0rdho/SageAttention/releases/download/v2.2.0-windows.post")
+        assert "%2B" in w.url  # the + of the local version, quoted
+    for p in inst.PINS.values():
+        assert re.fullmatch(r"[0-9a-f]{40}", p.commit) and re.fullmatch(r"[0-9a-f]{64}", p.tree_sha256) and p.verified[:4] == "2026"
+
+
+@pytest.mark.parametrize(
+    "exe, prefix, base, env, make, expect",
+    [
+        ("C:\\ComfyUI_windows_portable\\python_embeded\\python.exe", "C:\\ComfyUI_windows_portable\\python_embeded",
+         "C:\\ComfyUI_windows_portable\\python_embeded", {}, None, "portable"),
+        ("/opt/conda/envs/c/bin/python", "/opt/conda/envs/c", "/opt/conda", {"CONDA_PREFIX": "/opt/conda/envs/c"}, None, "conda"),
+        ("/usr/bin/python3", "/usr", "/usr", {}, None, "system"),
+        (None, "desktop", "/base", {}, "desktop", "desktop"),
+        (None, "venv-in-comfyui", "/base", {}, "comfy-venv", "venv"),
+    ],
+)
+def test_detect_layout(tmp_path, exe, prefix, base, env, make, expect):
+    if make == "desktop":  # Documents/ComfyUI/.venv (uv) beside custom_nodes/, ComfyUI's code inside the app
+        root = tmp_path / "ComfyUI"
+        (root / "custom_nodes").mkdir(parents=True)
+        (root / ".venv").mkdir()
+        (root / ".venv" / "pyvenv.cfg").write_text("home = C:\\\\uv\\\\python\nuv = 0.8.22\nversion_info = 3.12.11\n")
+        prefix, exe = str(root / ".venv"), str(root / ".venv" / "Scripts" / "python.exe")
+    elif make == "comfy-venv":  # a git clone of ComfyUI with its own .venv: main.py is there
+        root = tmp_path / "ComfyUI"
+        (root / "custom_nodes").mkdir(parents=True)
+        (root / "main.py").write_text("")
+        (root / ".venv").mkdir()
+        (root / ".venv" / "pyvenv.cfg").write_text("uv = 0.8.22\n")
+        prefix, exe = str(root / ".venv"), str(root / ".venv" / "bin" / "python")
+    assert inst.detect_layout(exe, prefix, base, env) == expect
+
+
+def test_uv_is_used_where_there_is_no_pip(tmp_path, monkeypatch):
+    assert inst.detect_installer(True, "/usr/bin/uv") == "pip"
+    assert inst.detect_installer(False, "/usr/bin/uv") == "uv"
+    assert inst.detect_installer(False, None) is None
+    m = windows((RTX4090,), "2.8.0+cu128", layout="desktop", installer="uv")
+    installer = inst.Installer(m, tmp_path, quiet=True)
+    seen = []
+    monkeypatch.setattr(installer, "_stream", lambda cmd, log, env=None, position=0: seen.append(cmd) or 0)
+    monkeypatch.setattr(inst.shutil, "which", lambda name: "/usr/bin/uv" if name == "uv" else None)
+    installer.pip(["x"], tmp_path / "l")
+    assert seen[0][:5] == ["/usr/bin/uv", "pip", "install", "--python", sys.executable] and "--constraint" in seen[0]
+
+
+# ------------------------------------------------------------------ downloads, hashes, pinned sources
+
+def _sha(p):
+    import hashlib
+
+    return hashlib.sha256(Path(p).read_bytes()).hexdigest()
+
+
+def test_download_from_a_mirror_checks_the_hash(tmp_path):
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / "pkg-1.0+cu128-cp39-abi3-win_amd64.whl").write_bytes(b"wheel bytes")
+    good = _sha(mirror / "pkg-1.0+cu128-cp39-abi3-win_amd64.whl")
+    url = "https://example.invalid/rel/pkg-1.0%2Bcu128-cp39-abi3-win_amd64.whl"
+    out = inst.download(url, tmp_path / "d" / "a.whl", sha256=good, mirror=str(mirror))
+    assert out.read_bytes() == b"wheel bytes"
+    with pytest.raises(inst.DownloadError, match="sha256 mismatch for pkg-1.0\\+cu128"):
+        inst.download(url, tmp_path / "d" / "b.whl", sha256="0" * 64, mirror=str(mirror))
+    assert not (tmp_path / "d" / "b.whl").exists() and not list((tmp_path / "d").glob("*.part"))
+    with pytest.raises(inst.DownloadError, match="not in the mirror folder"):
+        inst.download("https://example.invalid/other.whl", tmp_path / "d" / "c.whl", mirror=str(mirror))
+
+
+def test_download_without_network_says_so(tmp_path):
+    with pytest.raises(inst.DownloadError, match="cannot download") as e:
+        inst.download("http://127.0.0.1:9/none.tar.gz", tmp_path / "x")
+    assert "no network" in inst.likely_cause(str(e.value))
+
+
+def _pinned_tree(tmp_path):
+    import tarfile
+
+    src = tmp_path / "up" / "Sage-abc"
+    (src / "csrc").mkdir(parents=True)
+    (src / "assets").mkdir()
+    (src / "setup.py").write_text("print('build')\n")
+    (src / "csrc" / "k.cu").write_text("// kernel\n")
+    (src / "assets" / "big.png").write_bytes(b"\x89PNG" * 1000)
+    commit = "a" * 40
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    with tarfile.open(mirror / f"{commit}.tar.gz", "w:gz") as t:
+        t.add(src, arcname=src.name)
+    pin = inst.Pin(repo="up/Sage", commit=commit, tree_sha256=inst.tree_digest(src, ("assets/",)), skip=("assets/",),
+                   verified="2026-11-23: test")
+    return src, mirror, pin
+
+
+def test_pinned_source_is_checked_by_its_tree_hash(tmp_path, monkeypatch):
+    src, mirror, pin = _pinned_tree(tmp_path)
+    monkeypatch.setenv("PATCH_ATTENTION_MIRROR", str(mirror))
+    log = tmp_path / "log"
+    root = inst.fetch_pinned(pin, tmp_path / "w" / "src", log)
+    assert root is not None and (root / "setup.py").exists() and "matches the pin" in log.read_text()
+    # the same commit without assets/ (a trimmed archive) checks too
+    import shutil as sh
+
+    sh.rmtree(src / "assets")
+    assert inst.tree_digest(src, pin.skip) == pin.tree_sha256
+    # a changed file is refused, with both hashes in the log
+    bad = inst.Pin(**{**pin.__dict__, "tree_sha256": "f" * 64})
+    log2 = tmp_path / "log2"
+    assert inst.fetch_pinned(bad, tmp_path / "w2" / "src", log2) is None
+    assert "source tree sha256 mismatch" in log2.read_text() and "f" * 64 in log2.read_text()
+
+
+def test_the_shipped_pins_match_archives_made_by_the_pin_tool(tmp_path):
+    """tests/tools/pin_source.py makes what install.py checks: the digest function is the same one."""
+    src = tmp_path / "t"
+    (src / "a").mkdir(parents=True)
+    (src / "a-b").mkdir()
+    (src / "a" / "x").write_text("1")
+    (src / "a-b" / "y").write_text("2")
+    # string order of paths ("a-b/y" < "a/x"), the same on every OS
+    import hashlib
+
+    h = hashlib.sha256()
+    for rel in ("a-b/y", "a/x"):
+        h.update(rel.encode() + b"\0" + _sha(src / rel).encode() + b"\n")
+    assert inst.tree_digest(src) == h.hexdigest()
+
+
+def test_build_of_a_pin_goes_through_the_checked_fetch(tmp_path, monkeypatch):
+    src, mirror, pin = _pinned_tree(tmp_path)
+    monkeypatch.setenv("PATCH_ATTENTION_MIRROR", str(mirror))
+    installer = inst.Installer(machine(), tmp_path / "logs", quiet=True)
+    seen = []
+    monkeypatch.setattr(installer, "pip", lambda args, log, env=None, position=0: seen.append(args) or 0)
+    s = inst.Step("sageattention", "build", "x", pin=pin, source=pin.url, env={})
+    log = tmp_path / "b.log"
+    log.write_text("")
+    assert installer.build(s, log) == 0 and seen[0][-1].endswith("Sage-abc")
+    bad = inst.Step("sageattention", "build", "x", pin=inst.Pin(**{**pin.__dict__, "tree_sha256": "0" * 64}), env={})
+    assert installer.build(bad, log) == 1 and not seen[1:]
+
+
+def test_prebuilt_wheel_is_downloaded_checked_and_installed_without_deps(tmp_path, monkeypatch):
+    w0 = inst.PREBUILT_WHEELS[-1]
+    mirror = tmp_path / "mirror"
+    mirror.mkdir()
+    (mirror / w0.filename).write_bytes(b"not the real wheel")
+    w = inst.PrebuiltWheel(w0.kernel, w0.index, w0.tag, w0.filename, _sha(mirror / w0.filename))
+    monkeypatch.setenv("PATCH_ATTENTION_MIRROR", str(mirror))
+    installer = inst.Installer(windows((RTX5090,), "2.10.0+cu130"), tmp_path / "logs", quiet=True)
+    seen = []
+    monkeypatch.setattr(installer, "pip", lambda args, log, env=None, position=0: seen.append(args) or 0)
+    log = tmp_path / "w.log"
+    log.write_text("")
+    assert installer.install_prebuilt(w, log) == 0 and seen == [["--no-deps", str(tmp_path / "logs" / "downloads" / w.filename)]]
+    # the shipped hash does not match these bytes: refused before pip runs
+    assert installer.install_prebuilt(w0, log) == 1 and len(seen) == 1 and "sha256 mismatch" in log.read_text()

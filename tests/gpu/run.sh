@@ -4,7 +4,7 @@
 #
 # Carried (ignored paths): .build/kernels/kernels.tgz (SageAttention2 + SpargeAttn built by install.py for this GPU,
 # torch and Python), .build/comfyui.tgz (ComfyUI source), .whl (wheels the machine lacks: av, torchsde, trampoline,
-# optionally comfy-kitchen), .src (upstream source archives, for the install stages).
+# optionally comfy-kitchen), .src (the pinned upstream archives, <commit>.tar.gz, made by tests/tools/pin_source.py).
 #
 # Stages:
 #   env            unpack kernels, wheels and ComfyUI (every other stage needs it; run it first)
@@ -15,7 +15,7 @@
 #   e2e-wan        end-to-end benchmark, Wan 2.1 1.3B 480p/81f, every row, profiled
 #   e2e-wan14      end-to-end benchmark, Wan 2.1 14B, the main rows
 #   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux: Flux only)
-#   install        install.py for real from .src archives (clean state), then again (idempotence)
+#   install        install.py for real, its pinned sources served from .src by --mirror (clean state), then again
 #   install-manager  install.py as ComfyUI Manager runs it: no arguments, no terminal, no network
 #   sparge         SpargeAttn threshold sweep and tuned-vs-default (tests/gpu/sparge_*.py)
 set -u
@@ -61,13 +61,14 @@ stage_e2e-compile() {
 
 stage_install() {
   local before; before=$($PY -c "import torch;print(torch.__version__)")
+  $PY -m pip show triton 2>/dev/null | grep -i '^version' | sed 's/^/triton /'
   t0=$(date +%s)
-  timeout 450 $PY install.py --yes --sage-source .src/SageAttention.tar.gz --sparge-source .src/SpargeAttn.tar.gz \
-    --find-links .whl --no-index --log-dir /tmp/pa-logs 2>&1 | grep -v '^\s*$' | tail -n 40
+  timeout 450 $PY install.py --yes --mirror .src --find-links .whl --no-index --log-dir /tmp/pa-logs 2>&1 \
+    | grep -v '^\s*$' | grep -v 'step/s\]' | tail -n 40
   echo "run 1 rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - t0 ))"
+  grep -h "tree sha256" /tmp/pa-logs/*.log
   t0=$(date +%s)
-  timeout 120 $PY install.py --yes --sage-source .src/SageAttention.tar.gz --sparge-source .src/SpargeAttn.tar.gz \
-    --find-links .whl --no-index --log-dir /tmp/pa-logs2 --no-verify 2>&1 | tail -n 15
+  timeout 120 $PY install.py --yes --mirror .src --find-links .whl --no-index --log-dir /tmp/pa-logs2 --no-verify 2>&1 | tail -n 15
   echo "run 2 rc=${PIPESTATUS[0]} seconds=$(( $(date +%s) - t0 )); torch before $before after $($PY -c 'import torch;print(torch.__version__)')"
   tar czf "$OUT/install-logs.tgz" -C /tmp pa-logs 2>/dev/null
 }
