@@ -401,6 +401,37 @@ def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key):
     return out
 
 
+def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=False, skip_output_reshape=False):
+    """``(call, None)``: a function for calls shaped exactly like this one (no mask) that runs backend ``name`` with
+    nothing else -- the view to the kernel's layout, the kernel, the deferred NaN flag, the count, the reshape back
+    -- for hosts that cache it per call shape (the node layer does). ``(None, why)`` when ``name`` refuses such a
+    call (the caller falls back), ``(None, None)`` when the call needs more than that (a cast, a padded head dim, a
+    layout change): the full path takes those. ``call(q, k, v, check_key)`` raises whatever the kernel raises."""
+    backend = REGISTRY.get(name)
+    q4, k4, v4, layout, spec, _, scale = prepare(q, k, v, heads, None, skip_reshape)
+    target, reason = plan_for(backend, spec)
+    if reason is not None:
+        return None, reason
+    if target != spec or layout not in backend.layouts or any(t.stride(-1) != 1 for t in (q4, k4, v4)):
+        return None, None
+    fn, opts, calls = backend.fn, cfg.options.get(name) or {}, cfg.stats.calls
+    check = bool(cfg.check_finite) and backend.quantized
+    shapes = None if skip_reshape else (tuple(q4.shape), tuple(k4.shape), tuple(v4.shape))
+
+    def call(q, k, v, check_key):
+        if shapes is not None:
+            q, k, v = q.view(shapes[0]), k.view(shapes[1]), v.view(shapes[2])
+        out = fn(q, k, v, layout=layout, mask=None, scale=scale, opts=opts)
+        if type(out) is tuple:
+            out = out[0]
+        if check:
+            _check(cfg, backend, out, spec, check_key)
+        calls[name] += 1
+        return finish(out, layout, spec, skip_output_reshape)
+
+    return call, None
+
+
 def prepare(q, k, v, heads, mask=None, skip_reshape=False, scale=None):
     """Validate a ComfyUI-convention call; returns 4-D q/k/v views, their layout, the spec, the 4-D mask, the scale."""
     _validate(q, k, v, heads, mask, skip_reshape)

@@ -69,14 +69,20 @@ def peer_override(backend_name: str):
     return override
 
 
+NO_NAN_NET = "/no-nan-net"  # row suffix: the backend with its NaN net off, to measure what the net costs
+
+
 def make_row_model(model, row: str):
-    """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention), or peer:<kernel>."""
+    """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention), ``<backend>/no-nan-net``,
+    or peer:<kernel>."""
     if row == UNPATCHED:
         return model.clone()
     if row.startswith(PEER):
         m = model.clone()
         m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = peer_override(row[len(PEER):])
         return m
+    if row.endswith(NO_NAN_NET):
+        return patch_model(model, row[: -len(NO_NAN_NET)], auto_retune=True, check_finite=False)
     return patch_model(model, row, auto_retune=True)
 
 

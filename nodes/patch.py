@@ -18,7 +18,7 @@ import torch
 
 from ..attention import REGISTRY, AttentionConfig, AutoSelector, attention, op
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
-from ..attention.dispatch import error_vs_reference
+from ..attention.dispatch import direct_call, error_vs_reference
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -149,6 +149,11 @@ class AttentionOverride:
         self.exact = config.backend != "auto" and not REGISTRY.get(config.backend).quantized
         self.handle = op.register(self)
         self._host = ()  # ComfyUI's exact attention function once seen (the hot path compares identity)
+        # Lean path: per exact call shape, the resolved call (kernel, or ComfyUI's function for a refused shape), for
+        # the common case -- no mask, no precision request, inside a forward on the schedule, nothing per layer.
+        self.lean_ok = (not self.passthrough and layer_options is None and not self.dense_layers and not log_stats
+                        and not config.record_time)
+        self._lean = {}  # call key -> entry(func, args, kwargs, layer), or False: this shape takes the full path
 
     def __deepcopy__(self, memo):
         return self
@@ -200,17 +205,98 @@ class AttentionOverride:
                 self.layer += 1
                 self.config.stats.calls[HOST] += 1
                 return func(*args, **kwargs)
+        key = None
+        # is_compiling() first: dynamo must not read (and guard on) the per-forward state below
+        if (not torch.compiler.is_compiling() and self.lean_ok and self.active is True and not self.nonfinite_layers
+                and self.check_phase is None):
+            key = self._lean_key(args, kwargs)
+            entry = self._lean.get(key) if key is not None else None
+            if entry:
+                layer = self.layer
+                self.layer = layer + 1
+                try:
+                    return entry(func, args, kwargs, layer)
+                except Exception:  # the full path below falls back and counts it
+                    self.layer = layer
+                    self._lean[key] = False
+                    entry = False
+            if entry is False:
+                key = None
         a, rest = _bind(args, kwargs)
         if torch.compiler.is_compiling():
             return op.attention_op(a["q"], a["k"], a["v"], a.get("mask"), a["heads"], bool(a.get("skip_reshape", False)),
                                    bool(a.get("skip_output_reshape", False)), self.handle, wants_full_precision(a, rest))
-        return self._run(func, args, kwargs, a, rest.get("transformer_options"), wants_full_precision(a, rest))
+        out = self._run(func, args, kwargs, a, rest.get("transformer_options"), wants_full_precision(a, rest))
+        if key is not None:
+            self._lean[key] = self._make_lean(func, a) or False
+        return out
+
+    @staticmethod
+    def _lean_key(args, kwargs):
+        """The exact call shape, or None when this call is not one the lean path takes (a mask, a precision request)."""
+        if len(args) < 3 or len(args) > 4 or kwargs.get("mask") is not None or kwargs.get("attn_precision") is torch.float32 \
+                or kwargs.get("low_precision_attention", True) is False:
+            return None
+        q, k, v = args[0], args[1], args[2]
+        heads = args[3] if len(args) > 3 else kwargs.get("heads")
+        return (q.shape, k.shape, v.shape, q.dtype, q.device, heads, kwargs.get("skip_reshape", False),
+                kwargs.get("skip_output_reshape", False))
+
+    def _make_lean(self, func, a):
+        """The lean entry for this call shape (after its first call took the full path and was audited), or None."""
+        cfg = self.config
+        q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
+        sr, sor = bool(a.get("skip_reshape", False)), bool(a.get("skip_output_reshape", False))
+        name = cfg.backend
+        try:
+            if cfg.auto is not None:
+                from ..attention.auto import signature
+                from ..attention.dispatch import prepare
+
+                sig = signature(prepare(q, k, v, heads, None, sr)[4])
+                name = cfg.auto.decisions.get(sig)
+                if name is None or sig in cfg.auto.demoted:
+                    return None
+            call, refused = direct_call(cfg, name, q, k, v, heads, sr, sor)
+        except Exception:
+            return None
+        if call is not None:
+            return lambda func, args, kwargs, layer: call(args[0], args[1], args[2], layer)
+        if refused and cfg.allow_fallback and not cfg.fallbacks and is_host_exact(func) and _same_heads(q, k):
+            stats = cfg.stats
+
+            def host(func, args, kwargs, layer):  # what the full path does for this shape: SDPA, as ComfyUI runs it
+                stats.count_fallback(name, "sdpa", refused)
+                stats.count_call(HOST)
+                return func(*args, **kwargs)
+
+            return host
+        return None
 
     def op_call(self, q, k, v, mask, heads, skip_reshape, skip_output_reshape, precise):
         """The custom op's real implementation (compiled models): the same path, without ComfyUI's function."""
+        key = None
+        if (self.lean_ok and mask is None and not precise and self.active is True and not self.nonfinite_layers
+                and self.check_phase is None):
+            key = (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape, skip_output_reshape)
+            entry = self._lean.get(key)
+            if entry:
+                layer = self.layer
+                self.layer = layer + 1
+                try:
+                    return entry(None, (q, k, v), None, layer)
+                except Exception:
+                    self.layer = layer
+                    self._lean[key] = False
+                    entry = False
+            if entry is False:
+                key = None
         a = {"q": q, "k": k, "v": v, "heads": heads, "mask": mask, "skip_reshape": skip_reshape,
              "skip_output_reshape": skip_output_reshape}
-        return self._run(None, None, None, a, None, precise)
+        out = self._run(None, None, None, a, None, precise)
+        if key is not None:
+            self._lean[key] = self._make_lean(None, a) or False
+        return out
 
     def _run(self, func, args, kwargs, a, topts, precise):
         layer = self.layer
@@ -289,6 +375,7 @@ class AttentionOverride:
             return out
         auto.demote(sig, f"failed the gate at the {self.check_phase} step (cos {cos:.5f}, rel-L1 {rel:.4f})")
         self.config._fast.clear()
+        self._lean.clear()
         stats.decisions[sig] = f"sdpa for the rest of this run: {name} failed the gate at the {self.check_phase} step " \
                                f"(cos {cos:.5f}, rel-L1 {rel:.4f})"
         log.warning("auto: %s failed the accuracy gate at the %s step on layer %d (cos %.5f, rel-L1 %.4f); "
@@ -308,6 +395,7 @@ class AttentionOverride:
         self._layer_calls = {}
         self.nonfinite_layers = set()
         self._checked = set()
+        self._lean.clear()
         if self.config.auto is not None:
             self.config.auto.demoted.clear()
             self.config._fast.clear()

@@ -68,8 +68,10 @@ def test_patched_flux_samples_like_the_unpatched_model(pack, backend):
     assert rel(out, ref) < 1e-4
     st = stats_of(mod, patched)
     assert st.total_calls == 8  # 2 attention layers x 4 steps, all through the override
-    if backend == "sage":  # not installed on CPU: counted fallback to SDPA, same result
-        assert st.calls == {"sdpa": 8} and any(f == "sage" for f, _, _ in st.fallbacks)
+    if backend == "sage":  # not installed on CPU: counted fallback to SDPA, same result. The first call of a shape
+        # runs the dispatcher's SDPA; later ones, on the lean path, ComfyUI's own function ("comfyui"), as unpatched
+        assert set(st.calls) <= {"sdpa", "comfyui"} and st.calls["sdpa"] >= 1 and sum(st.calls.values()) == 8
+        assert sum(n for (f, _, _), n in st.fallbacks.items() if f == "sage") == 8
 
 
 def test_sd_unet_head_dims_40_and_80_with_padding(pack):

@@ -17,9 +17,9 @@ patch = P.nodes.patch
 def backends():
     added = []
 
-    def add(name, fn, accuracy="8bit"):
+    def add(name, fn, accuracy="8bit", layouts=("HND",)):
         A.REGISTRY.register(A.Backend(name=name, family="test", fn=fn, constraints=(), probe=lambda: A.Availability(True),
-                                      accuracy=accuracy))
+                                      accuracy=accuracy, layouts=layouts))
         added.append(name)
         A.dispatch.clear_plan_cache()
 
@@ -154,3 +154,96 @@ def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(ba
     seen.clear()
     sw(run, None, None, None, sigmas)
     assert cfg.stats.calls["t_drift"] >= 1
+
+
+# ------------------------------------------------------------------ the lean path (cached resolved call per shape)
+
+def _forwards(ov, func, calls, n):
+    """``n`` model forwards through the APPLY_MODEL wrapper, each making ``calls`` = [(q, k, v, heads, kwargs)]."""
+    fw = patch._ForwardWrapper(ov)
+    outs = []
+    for step in range(n):
+        def forward(x, t):
+            return [ov(func, q, k, v, h, transformer_options={}, **kw) for q, k, v, h, kw in calls]
+
+        outs.append(fw(forward, None, torch.tensor([float(10 - step)])))
+    return outs
+
+
+def test_lean_path_gives_the_full_paths_result_and_counts(backends):
+    seen = []
+
+    def q8(q, k, v, *, layout, mask, scale, opts):
+        seen.append(layout)
+        if layout == "NHD":
+            return _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2).round(decimals=2)
+        return _sdpa(q, k, v, scale).round(decimals=2)
+
+    backends("t_q8", q8, layouts=("HND", "NHD"))
+    calls = [(*_qkv(32, 2, 16, seed=1), 2, {}), (*_qkv(48, 4, 8, seed=2), 4, {}),
+             (*[t.unflatten(-1, (2, 16)).transpose(1, 2) for t in _qkv(32, 2, 16, seed=3)], 2,
+              {"skip_reshape": True, "skip_output_reshape": True})]
+    lean = patch.AttentionOverride(A.AttentionConfig(backend="t_q8", check_finite="deferred"))
+    full = patch.AttentionOverride(A.AttentionConfig(backend="t_q8", check_finite="deferred"))
+    full.lean_ok = False
+    a, b = _forwards(lean, None, calls, 4), _forwards(full, None, calls, 4)
+    for x, y in zip(a, b):
+        for o1, o2 in zip(x, y):
+            assert torch.equal(o1, o2)
+    assert len(lean._lean) == 3 and all(callable(e) for e in lean._lean.values())
+    assert lean.config.stats.calls == full.config.stats.calls == {"t_q8": 12}
+    assert set(seen) == {"NHD", "HND"}  # each call in its own layout, no transpose on the lean path
+    # a backend that takes only HND gets NHD calls through the full path (it transposes): no lean entry for those
+    backends("t_hnd", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, scale))
+    hnd = patch.AttentionOverride(A.AttentionConfig(backend="t_hnd", check_finite="deferred"))
+    _forwards(hnd, None, calls, 2)
+    assert sorted(map(bool, hnd._lean.values())) == [False, False, True]
+
+
+def test_nan_on_the_lean_path_is_caught_and_the_layer_goes_dense(backends):
+    state = {"n": 0}
+
+    def flaky(q, k, v, *, layout, mask, scale, opts):
+        state["n"] += 1
+        o = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+        return o if state["n"] < 5 else torch.full_like(o, float("nan"))  # from the 3rd forward on: NaN
+
+    backends("t_flaky", flaky, layouts=("NHD",))
+    func, host_calls = host_attention_pytorch()
+    calls = [(*_qkv(32, 2, 16, seed=1), 2, {}), (*_qkv(40, 2, 16, seed=2), 2, {})]
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_flaky", check_finite="deferred"), audit=False)
+    outs = _forwards(ov, func, calls, 4)
+    assert all(torch.isfinite(o).all() for x in outs for o in x)
+    for (q, k, v, h, _), o in zip(calls, outs[-1]):
+        assert cos_rel(o, sdpa_ref(q, k, v, h))[1] < 1e-5
+    assert len(ov._lean) == 2 and ov.nonfinite_layers == {0, 1} and host_calls  # lean, NaN, redone, then dense
+    assert ov.config.stats.fallbacks[("t_flaky", "sdpa", "non-finite output (forward redone)")] == 2
+
+
+def test_a_shape_the_kernel_refuses_goes_to_comfyuis_function_on_the_lean_path(backends):
+    A.REGISTRY.register(A.Backend(name="t_d64", family="test", constraints=(A.constraints.MinSeqLen(kv=100),),
+                                  fn=lambda *a, **kw: pytest.fail("refused shape reached the kernel"),
+                                  probe=lambda: A.Availability(True), accuracy="8bit"))
+    try:
+        func, host_calls = host_attention_pytorch()
+        ov = patch.AttentionOverride(A.AttentionConfig(backend="t_d64", check_finite="deferred"), audit=False)
+        _forwards(ov, func, [(*_qkv(32, 2, 16), 2, {})], 3)
+        st = ov.config.stats
+        assert st.calls == {"sdpa": 1, "comfyui": 2} and len(host_calls) == 2
+        assert sum(n for (f, _, _), n in st.fallbacks.items() if f == "t_d64") == 3
+    finally:
+        A.REGISTRY.unregister("t_d64")
+        A.dispatch.clear_plan_cache()
+
+
+@pytest.mark.parametrize("kw", [{"mask": "m"}, {"low_precision_attention": False}, {"attn_precision": torch.float32}])
+def test_masked_and_precision_calls_never_take_the_lean_path(backends, kw):
+    backends("t_q8b", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q.transpose(1, 2), k.transpose(1, 2),
+                                                                          v.transpose(1, 2), scale).transpose(1, 2),
+             layouts=("NHD",))
+    q, k, v = _qkv()
+    if kw.get("mask") == "m":
+        kw = {"mask": torch.zeros(32, 32)}
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_q8b", check_finite="deferred"), audit=False)
+    _forwards(ov, None, [(q, k, v, 2, kw)], 3)
+    assert not ov._lean
