@@ -257,6 +257,14 @@ class AttentionOverride:
                 name = cfg.auto.decisions.get(sig)
                 if name is None or sig in cfg.auto.demoted:
                     return None
+            if name == "sdpa" and is_host_exact(func) and _same_heads(q, k):
+                stats = cfg.stats
+
+                def host_sdpa(func, args, kwargs, layer):  # auto chose SDPA: what the unpatched model runs
+                    stats.count_call(HOST)
+                    return func(*args, **kwargs)
+
+                return host_sdpa
             call, refused = direct_call(cfg, name, q, k, v, heads, sr, sor)
         except Exception:
             return None

@@ -152,3 +152,18 @@ def test_accuracy_is_exact_on_millions_of_equal_elements():
     assert abs(cos - 1.0) < 1e-9 and rel == 0.0
     cos, rel = accuracy(a, -a)
     assert abs(cos + 1.0) < 1e-9 and abs(rel - 2.0) < 1e-9
+
+
+def test_a_candidate_must_beat_sdpa_by_the_margin(temp_backend):
+    """A kernel-level win of a few percent does not survive end to end (host time per call, noise): SDPA is kept."""
+    temp_backend(_sdpa_backend("t_close"))
+    q = torch.randn(1, 256, 2 * 32)
+    for t_close, expect in ((1.96, "sdpa"), (1.8, "t_close")):
+        timer, _ = _timer({"sdpa": 2.0, "t_close": t_close})
+        sel = AutoSelector(timer=timer, exclude=only({"sdpa", "t_close"}))
+        cfg = AttentionConfig(backend="auto", auto=sel)
+        attention(q, q, q, 2, config=cfg)
+        assert list(sel.decisions.values()) == [expect]
+        [why] = cfg.stats.decisions.values()
+        assert ("within 5% of sdpa: sdpa kept" in why) == (expect == "sdpa")
+    assert "rule2" in auto_mod.fingerprint()  # decisions cached under the old rule are not reused
