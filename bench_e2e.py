@@ -42,7 +42,9 @@ def main(argv=None):
     ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b (repeatable; default all)")
     ap.add_argument("--rows", default="", help="comma-separated rows (default: every usable backend, auto and peers)")
     ap.add_argument("--steps", type=int, default=4)
-    ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn (median)")
+    ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="s/step over the rounds: median, or min (host-bound presets on a shared machine)")
     ap.add_argument("--compile", action="store_true", help="also run every row under torch.compile (inductor)")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile one step per row (top device kernels, in --json)")
@@ -65,17 +67,17 @@ def main(argv=None):
     modes = [False, True] if a.compile else [False]
     results = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "steps": a.steps, "rounds": a.rounds, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
+            "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
     header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
               f"weights · euler, {a.steps} steps after a 1-step warm-up run, every row timed {a.rounds}x in turn; s/step "
-              f"is the median time between the sampler's step callbacks (device synced), so loading and setup are not "
-              f"in it · ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+              f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
+              f"synced), so loading and setup are not in it · ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
         job = e2e.build_preset(preset)
         job.steps = a.steps
         for compile in modes:
-            results += e2e.measure(job, rows, compile=compile, profile=a.profile, rounds=a.rounds,
+            results += e2e.measure(job, rows, compile=compile, profile=a.profile, rounds=a.rounds, stat=a.stat,
                                    progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
             save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
         del job

@@ -10,13 +10,15 @@
 #   env            unpack kernels, wheels and ComfyUI (every other stage needs it; run it first)
 #   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI)
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
-#   e2e-image      end-to-end benchmark, SD1.5 / SDXL / Flux-dev, main rows, 3 rounds
+#   e2e-image      end-to-end benchmark, SD1.5 / SDXL (host-bound), main rows, 8 rounds, minimum
+#   e2e-flux       end-to-end benchmark, Flux-dev, main rows, 3 rounds, median
 #   e2e-image-all  the same, every row, one round, profiled
 #   e2e-wan        end-to-end benchmark, Wan 2.1 1.3B 480p/81f, every row, profiled
 #   e2e-wan14      end-to-end benchmark, Wan 2.1 14B, the main rows
 #   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux: Flux only)
 #   install        install.py for real, its pinned sources served from .src by --mirror (clean state), then again
 #   install-manager  install.py as ComfyUI Manager runs it: no arguments, no terminal, no network
+#   hostcost       host time per attention call: ComfyUI's function, sdpa, each Sage kernel with/without the NaN net, peers
 #   sparge         SpargeAttn threshold sweep and tuned-vs-default (tests/gpu/sparge_*.py)
 set -u
 export PYTHONUNBUFFERED=1
@@ -47,9 +49,13 @@ e2e() {  # name, timeout, bench_e2e arguments...
   local name=$1 t=$2; shift 2
   timeout "$t" $PY bench_e2e.py "$@" --md "$OUT/$name.md" --json "$OUT/$name.json" 2>&1 | grep -v "row/s\]" | tail -n 40
 }
-IMAGE_ROWS=unpatched,sdpa,sdpa_flash,sdpa_efficient,sage,sage_fp8_sm90,sparge,auto,peer:sage,peer:sage_fp8_sm90,peer:sparge
-# image models are host-bound at these sizes and drift between rows: every row timed 3x in turn
-stage_e2e-image() { e2e e2e-image 400 --preset sd15 --preset sdxl --preset flux-dev --steps 10 --rounds 3 --rows "$IMAGE_ROWS" --png "$OUT/e2e-image.png"; }
+IMAGE_ROWS=unpatched,sdpa,sage,peer:sage,sage_fp8_sm90,sage_fp8_sm90/no-nan-net,peer:sage_fp8_sm90,sparge,peer:sparge,auto
+# SD1.5/SDXL are host-bound at these sizes and this host is shared: every row timed 8x in turn, the minimum is the
+# estimate (contention only adds time); Flux-dev is GPU-bound: 3 rounds, median
+stage_e2e-image() {
+  e2e e2e-image 400 --preset sd15 --preset sdxl --steps 5 --rounds 8 --stat min --rows "$IMAGE_ROWS" --png "$OUT/e2e-image.png"
+}
+stage_e2e-flux() { e2e e2e-flux 300 --preset flux-dev --steps 10 --rounds 3 --rows "$IMAGE_ROWS"; }
 stage_e2e-image-all() { e2e e2e-image-all 560 --preset sd15 --preset sdxl --preset flux-dev --steps 8 --profile; }
 stage_e2e-wan() { e2e e2e-wan 560 --preset wan-1.3b --steps 4 --profile --rows "$MAIN_ROWS,sdpa_cudnn,sdpa_flash,sparge_topk,peer:sparge_topk"; }
 stage_e2e-wan14() { e2e e2e-wan14 580 --preset wan-14b --steps 3 --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,sparge,auto; }
@@ -78,6 +84,8 @@ stage_install-manager() {
   $PY install.py < /dev/null > "$OUT/manager-run.log" 2>&1; echo "rc=$? seconds=$(( $(date +%s) - t0 ))"
   grep -v "^\s*$" "$OUT/manager-run.log" | grep -v "step/s\]" | tail -n 30
 }
+
+stage_hostcost() { timeout 200 $PY tests/gpu/hostcost.py --md "$OUT/hostcost.md" --json "$OUT/hostcost.json" 2>&1 | tail -n 30; }
 
 stage_sparge() {
   timeout 120 $PY tests/gpu/sparge_sweep.py --md "$OUT/sparge.md" --json "$OUT/sparge.json" 2>&1 | tail -n 30
