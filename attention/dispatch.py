@@ -415,7 +415,7 @@ def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=Fa
     if target != spec or layout not in backend.layouts or any(t.stride(-1) != 1 for t in (q4, k4, v4)):
         return None, None
     fn, opts, calls = backend.fn, cfg.options.get(name) or {}, cfg.stats.calls
-    check = bool(cfg.check_finite) and backend.quantized
+    check = backend.quantized  # and cfg.check_finite, read per call: the node turns it off and on per forward
     shapes = None if skip_reshape else (tuple(q4.shape), tuple(k4.shape), tuple(v4.shape))
 
     def call(q, k, v, check_key):
@@ -424,7 +424,7 @@ def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=Fa
         out = fn(q, k, v, layout=layout, mask=None, scale=scale, opts=opts)
         if type(out) is tuple:
             out = out[0]
-        if check:
+        if check and cfg.check_finite:
             _check(cfg, backend, out, spec, check_key)
         calls[name] += 1
         return finish(out, layout, spec, skip_output_reshape)

@@ -139,6 +139,12 @@ class AttentionOverride:
         self._layer_calls = {}
         self._dense_cache = {}  # layer -> in dense_layers
         self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
+        # The NaN net (see _ForwardWrapper): per-call flags on the first forward of a run, on a redo, and on every
+        # forward of a model whose code turns NaN into numbers (nan_to_num) where the output would no longer show it;
+        # otherwise one check of the forward's output.
+        self.nan_net = bool(config.check_finite)
+        self.first_forward = True
+        self.hides_nan = None  # the model's code sanitizes NaN (decided at its first forward)
         self.active = None  # step schedule for the current forward (None: not in a forward, read sigma per call)
         self.check_phase = None  # "mid"/"last": this forward re-checks auto's non-exact choices against dense
         self._checked = set()  # (phase, signature) re-checked this run
@@ -404,6 +410,7 @@ class AttentionOverride:
         self.nonfinite_layers = set()
         self._checked = set()
         self._lean.clear()
+        self.first_forward = True
         if self.config.auto is not None:
             self.config.auto.demoted.clear()
             self.config._fast.clear()
@@ -425,8 +432,14 @@ class _Wrapper:
 
 class _ForwardWrapper(_Wrapper):
     """APPLY_MODEL wrapper around one model forward: the layer counter back to 0, the step schedule and auto's
-    re-check phase read once (not per attention call), and the forward's deferred NaN checks read with one sync.
-    It wraps ComfyUI's torch.compile wrapper from outside, so it runs eagerly in compiled models too."""
+    re-check phase read once (not per attention call), and the NaN net read with one sync per forward.
+    It wraps ComfyUI's torch.compile wrapper from outside, so it runs eagerly in compiled models too.
+
+    The NaN net: on the first forward of a run (and on every forward of a model that sanitizes NaN itself), each
+    quantized call leaves a finite flag on the device and the forward reads them all at once; on later forwards only
+    the forward's output is checked (one reduction instead of one per attention call: on host-bound models the
+    per-call flags cost more than 2 % of a step). A non-finite output is recomputed with per-call flags to find the
+    layers; those run dense for the rest of the run and the forward is computed again."""
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override
@@ -437,13 +450,30 @@ class _ForwardWrapper(_Wrapper):
         ov.active = ov.in_range(sigma) if ov.sigma_range is not None else True
         ov.check_phase = ov.phase_of(sigma)
         ov.start_forward()
+        per_call = False
+        if ov.nan_net:
+            if ov.hides_nan is None:
+                ov.hides_nan = model_hides_nan(getattr(executor, "class_obj", None))
+            per_call = ov.first_forward or ov.hides_nan
+            cfg.check_finite = "deferred" if per_call else False
         cfg.in_forward = True
         try:
             out = executor(*args, **kwargs)
-            bad = cfg.take_nonfinite() if cfg.check_finite == "deferred" else []
+            bad = []
+            if per_call:
+                bad = cfg.take_nonfinite()
+            elif ov.nan_net:
+                flag = output_flag(out)
+                if flag is None:  # an output this check cannot read: per-call flags from now on
+                    ov.hides_nan = True
+                elif not bool(flag.isfinite()):
+                    cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
+                    ov.start_forward()
+                    out = executor(*args, **kwargs)
+                    bad = cfg.take_nonfinite()
             if bad:
-                # A kernel returned NaN/inf somewhere in this forward (read with one sync per forward): those layers
-                # run dense for the rest of the sampling run, and the forward is computed again.
+                # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
+                # sampling run, and the forward is computed again.
                 for layer, name in bad:
                     ov.nonfinite_layers.add(layer)
                     cfg.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
@@ -451,11 +481,50 @@ class _ForwardWrapper(_Wrapper):
                 ov.start_forward()
                 out = executor(*args, **kwargs)
                 cfg.take_nonfinite()
+            ov.first_forward = False
         finally:
             cfg.in_forward = False
+            if ov.nan_net:
+                cfg.check_finite = "deferred"  # outside a forward: checked at once
             ov.active = None
             ov.check_phase = None
         return out
+
+
+def output_flag(out):
+    """A 0-d device tensor, finite exactly when the forward's output is (NaN in any attention output reaches it), or
+    None for an output that is not one tensor."""
+    return torch.sum(out, dtype=torch.float32) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+
+
+_hides_nan_cache = {}
+
+
+def model_hides_nan(base_model) -> bool:
+    """Whether the diffusion model's code (its package's loaded modules) calls nan_to_num: NaN from an attention
+    kernel could then be gone from the forward's output, so that model keeps per-call flags. Unknown: True."""
+    import sys
+
+    dm = getattr(base_model, "diffusion_model", None)
+    if dm is None:
+        return True
+    cls = type(dm)
+    if cls in _hides_nan_cache:
+        return _hides_nan_cache[cls]
+    pkg = cls.__module__.rsplit(".", 1)[0] if "." in cls.__module__ else cls.__module__
+    hides = False
+    try:
+        for name, mod in list(sys.modules.items()):
+            path = getattr(mod, "__file__", None)
+            if path and path.endswith(".py") and (name == pkg or name.startswith(pkg + ".")):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if "nan_to_num" in f.read():
+                        hides = True
+                        break
+    except OSError:
+        hides = True
+    _hides_nan_cache[cls] = hides
+    return hides
 
 
 _warned_nonfinite = set()

@@ -297,3 +297,20 @@ def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
     m = e2e.make_row_model(base, "peer:sdpa_math")
     assert rel(sample(m), ref) < 1e-4
     assert mod.nodes.patch.override_of(m) is None  # not Patch Attention's override: a bare function in the hook
+
+
+def test_models_that_sanitize_nan_keep_per_call_nan_flags(pack):
+    """Flux/Chroma call nan_to_num in fp16: NaN from a kernel would be gone from their output, so the NaN net keeps
+    per-call flags there; SD/SDXL's UNet and Wan do not, and get one output check per forward after the first."""
+    from types import SimpleNamespace
+
+    import comfy.ldm.flux.model as flux
+    import comfy.ldm.modules.diffusionmodules.openaimodel as unet
+    import comfy.ldm.wan.model as wan
+
+    mod, _ = pack
+    hides = mod.nodes.patch.model_hides_nan
+    m = lambda cls: SimpleNamespace(diffusion_model=object.__new__(cls))  # noqa: E731
+    assert hides(m(flux.Flux)) is True
+    assert hides(m(unet.UNetModel)) is False
+    assert hides(m(wan.WanModel)) is False

@@ -247,3 +247,48 @@ def test_masked_and_precision_calls_never_take_the_lean_path(backends, kw):
     ov = patch.AttentionOverride(A.AttentionConfig(backend="t_q8b", check_finite="deferred"), audit=False)
     _forwards(ov, None, [(q, k, v, 2, kw)], 3)
     assert not ov._lean
+
+
+def test_nan_net_checks_calls_on_the_first_forward_then_the_output(backends, monkeypatch):
+    """After the first forward of a run only the forward's output is checked; a NaN there is traced back to its layers
+    with one more forward with per-call flags, and those layers run dense from then on."""
+    state = {"n": 0}
+
+    def flaky(q, k, v, *, layout, mask, scale, opts):
+        state["n"] += 1
+        o = _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+        return torch.full_like(o, float("nan")) if state["n"] in (5, 7) else o  # layer 0 from the 3rd forward on
+
+    backends("t_flaky2", flaky, layouts=("NHD",))
+    flags = []
+    real = A.dispatch.finite_flag
+    monkeypatch.setattr(A.dispatch, "finite_flag", lambda out: flags.append(1) or real(out))
+    func, host_calls = host_attention_pytorch()
+    calls = [(*_qkv(32, 2, 16, seed=1), 2), (*_qkv(40, 2, 16, seed=2), 2)]
+    cfg = A.AttentionConfig(backend="t_flaky2", check_finite="deferred")
+    ov = patch.AttentionOverride(cfg, audit=False)
+    ov.hides_nan = False  # a model whose code does not sanitize NaN (see model_hides_nan)
+    fw = patch._ForwardWrapper(ov)
+    outs = []
+    for step in range(4):
+        def forward(x, t):
+            return torch.cat([ov(func, q, k, v, h, transformer_options={}).flatten() for q, k, v, h in calls])
+
+        outs.append(fw(forward, None, torch.tensor([float(10 - step)])))
+        if step == 1:
+            assert len(flags) == 2  # forward 1: one flag per call; forward 2: none
+    assert all(torch.isfinite(o).all() for o in outs)
+    # forward 3: the output was NaN -> redone with per-call flags (layer 0 NaN again) -> layer 0 dense, redone again
+    assert len(flags) == 5 and ov.nonfinite_layers == {0} and host_calls  # 2 + 2 (finding) + 1 (the redo)
+    assert cfg.stats.fallbacks[("t_flaky2", "sdpa", "non-finite output (forward redone)")] == 1
+    ref = torch.cat([sdpa_ref(q, k, v, h).flatten() for q, k, v, h in calls])
+    assert cos_rel(outs[-1], ref)[1] < 1e-5
+    assert cfg.check_finite == "deferred"  # outside a forward the net checks at once again
+
+
+def test_an_unknown_model_keeps_per_call_flags(backends):
+    backends("t_ok", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, scale))
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_ok", check_finite="deferred"), audit=False)
+    _forwards(ov, None, [(*_qkv(), 2, {})], 2)
+    assert ov.hides_nan is True  # an executor without a model: per-call flags on every forward
+    assert patch.model_hides_nan(None) is True
