@@ -59,7 +59,7 @@ stage_e2e-flux() { e2e e2e-flux 300 --preset flux-dev --steps 10 --rounds 3 --ro
 stage_e2e-image-all() { e2e e2e-image-all 560 --preset sd15 --preset sdxl --preset flux-dev --steps 8 --profile; }
 stage_e2e-wan() { e2e e2e-wan 560 --preset wan-1.3b --steps 4 --profile --rows "$MAIN_ROWS,sdpa_cudnn,sdpa_flash,sparge_topk,peer:sparge_topk"; }
 stage_e2e-wan14() { e2e e2e-wan14 580 --preset wan-14b --steps 3 --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,sparge,auto; }
-stage_e2e-compile-flux() { e2e e2e-compile-flux 330 --preset flux-dev --steps 4 --compile --rows unpatched,sage_fp8_sm90,peer:sage_fp8_sm90,auto; }
+stage_e2e-compile-flux() { e2e e2e-compile-flux 570 --preset flux-dev --steps 4 --compile --rows unpatched,sage_fp8_sm90,peer:sage_fp8_sm90,auto; }
 stage_e2e-compile() {
   e2e e2e-compile-flux 330 --preset flux-dev --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
   e2e e2e-compile-wan 300 --preset wan-1.3b --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
