@@ -205,6 +205,13 @@ class AttentionOverride:
         return hit
 
     def __call__(self, func, *args, **kwargs):
+        if torch.compiler.is_compiling() and self.passthrough and not self.dense_layers \
+                and getattr(func, "__name__", None) == "attention_pytorch" and is_host_exact(func) \
+                and len(args) > 1 and _same_heads(args[0], args[1]):
+            # `sdpa` in a compiled model: ComfyUI's own SDPA function traced into the graph, as in the unpatched model
+            # (inductor compiles its SDPA call); nothing of the override's state is read or counted in traced code.
+            # Only attention_pytorch: ComfyUI's split/sub-quadratic functions query free memory (graph breaks).
+            return func(*args, **kwargs)
         if func is self._host and len(args) > 1 and self.passthrough and not self.dense_layers:
             # `sdpa` on ComfyUI's own exact function: hand the call over, a few attribute reads (hot path)
             if _same_heads(args[0], args[1]) and not torch.compiler.is_compiling():

@@ -49,8 +49,42 @@ def test_torch_compile_model_wrapper_runs_the_patch_through_the_custom_op(pack, 
     breaks, graphs = _compile_counts()
     assert breaks == 0 and graphs == 1
     st = stats_of(mod, compiled)
-    # every attention call ran through the op's eager implementation (and so through the dispatcher)
-    assert st.total_calls == eager_calls and "comfyui" not in st.calls
+    if backend == "sdpa" and host_name(compiled) == "attention_pytorch":
+        # `sdpa` is ComfyUI's own SDPA function: traced into the graph as in the unpatched model, the op is not used
+        assert st.total_calls == 0
+    else:
+        # every attention call ran through the op's eager implementation (and so through the dispatcher)
+        assert st.total_calls == eager_calls and "comfyui" not in st.calls
+
+
+def host_name(model):
+    import comfy.ldm.modules.attention as cattn
+
+    return getattr(cattn.optimized_attention, "__name__", "")  # the tiny SD model's attention function
+
+
+def test_sdpa_under_compile_traces_comfyuis_sdpa_function(pack, dynamo, monkeypatch):
+    """With ComfyUI's attention_pytorch as the model's attention (NVIDIA's default), a compiled `sdpa` model has
+    ComfyUI's SDPA call in its graph, as the unpatched model does: no custom op, nothing counted."""
+    import comfy.ldm.flux.math as fmath
+    import comfy.ldm.modules.attention as cattn
+
+    mod, mappings = pack
+    monkeypatch.setattr(fmath, "optimized_attention", cattn.attention_pytorch)
+    base = tiny_flux()
+    eager = patch(mappings, base, "sdpa")
+    ref = sample(eager, "flux", steps=2)
+    compiled = eager.clone()
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    set_torch_compile_wrapper(compiled, backend="inductor")
+    ops = []
+    real = mod.attention.op.attention_op
+    monkeypatch.setattr(mod.attention.op, "attention_op", lambda *a, **k: ops.append(1) or real(*a, **k))
+    out = sample(compiled, "flux", steps=2)
+    assert rel(out, ref) < 1e-4 and not ops
+    breaks, graphs = _compile_counts()
+    assert breaks == 0 and graphs == 1
 
 
 def test_new_call_shapes_do_not_recompile_per_shape(pack, dynamo):
