@@ -152,7 +152,7 @@ def kernels_that_ran(model) -> str:
     return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
 
 
-def profile_step(model, job: Job, top: int = 8) -> list:
+def profile_step(model, job: Job, top: int = 14) -> list:
     """One step under torch.profiler: the ``top`` device kernels by total time, [(name, ms, calls)]."""
     from torch.profiler import ProfilerActivity, profile
 
