@@ -220,10 +220,11 @@ class AttentionOverride:
                 return func(*args, **kwargs)
         key = None
         # is_compiling() first: dynamo must not read (and guard on) the per-forward state below
-        if (not torch.compiler.is_compiling() and self.lean_ok and self.active is True and not self.nonfinite_layers
-                and self.check_phase is None):
+        if not torch.compiler.is_compiling() and self.lean_ok and self.active is True and not self.nonfinite_layers:
             key = self._lean_key(args, kwargs)
             entry = self._lean.get(key) if key is not None else None
+            if entry and self.check_phase is not None and not entry.exact:
+                entry, key = None, None  # auto re-checks its lossy choices at this step: the full path does that
             if entry:
                 layer = self.layer
                 self.layer = layer + 1
@@ -277,12 +278,17 @@ class AttentionOverride:
                     stats.count_call(HOST)
                     return func(*args, **kwargs)
 
+                host_sdpa.exact = True
                 return host_sdpa
             call, refused = direct_call(cfg, name, q, k, v, heads, sr, sor)
         except Exception:
             return None
         if call is not None:
-            return lambda func, args, kwargs, layer: call(args[0], args[1], args[2], layer)
+            def kernel(func, args, kwargs, layer):
+                return call(args[0], args[1], args[2], layer)
+
+            kernel.exact = not REGISTRY.get(name).quantized  # a lossy choice of auto is re-checked on the full path
+            return kernel
         if refused and cfg.allow_fallback and not cfg.fallbacks and is_host_exact(func) and _same_heads(q, k):
             stats = cfg.stats
 
@@ -291,16 +297,18 @@ class AttentionOverride:
                 stats.count_call(HOST)
                 return func(*args, **kwargs)
 
+            host.exact = True
             return host
         return None
 
     def op_call(self, q, k, v, mask, heads, skip_reshape, skip_output_reshape, precise):
         """The custom op's real implementation (compiled models): the same path, without ComfyUI's function."""
         key = None
-        if (self.lean_ok and mask is None and not precise and self.active is True and not self.nonfinite_layers
-                and self.check_phase is None):
+        if self.lean_ok and mask is None and not precise and self.active is True and not self.nonfinite_layers:
             key = (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape, skip_output_reshape)
             entry = self._lean.get(key)
+            if entry and self.check_phase is not None and not entry.exact:
+                entry, key = None, None
             if entry:
                 layer = self.layer
                 self.layer = layer + 1

@@ -292,3 +292,24 @@ def test_an_unknown_model_keeps_per_call_flags(backends):
     _forwards(ov, None, [(*_qkv(), 2, {})], 2)
     assert ov.hides_nan is True  # an executor without a model: per-call flags on every forward
     assert patch.model_hides_nan(None) is True
+
+
+def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(backends):
+    """auto's exact choices need no re-check: at the middle and last step they keep the lean path (ComfyUI's own
+    function for SDPA) instead of the dispatcher's."""
+    sel = A.AutoSelector(timer=lambda name, fn, dev: {"sdpa": 1.0}.get(name, 9.0),
+                         exclude={n for n in A.REGISTRY.names() if n != "sdpa"})
+    cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
+    ov = patch.AttentionOverride(cfg)
+    fw, sw = patch._ForwardWrapper(ov), patch._SampleWrapper(ov)
+    func, host_calls = host_attention_pytorch()
+    q, k, v = _qkv()
+    sigmas = torch.tensor([10.0, 7.0, 4.0, 2.0, 0.0])
+
+    def run(*args):
+        for s in sigmas[:-1]:
+            fw(lambda x, t: ov(func, q, k, v, 2, transformer_options={}), None, s.reshape(1))
+
+    sw(run, None, None, None, sigmas)
+    assert list(sel.decisions.values()) == ["sdpa"]
+    assert cfg.stats.calls == {"sdpa": 1, "comfyui": 3} and len(host_calls) == 3  # tuned on the 1st, then ComfyUI's
