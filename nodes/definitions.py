@@ -113,7 +113,9 @@ PATCH = Node(
         In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: and stay within this relative L1 error.",
            optional=True, min=0.0, max=1.0, step=0.005),
         In("check_finite", "BOOLEAN", True, "Check quantized kernels' output for NaN/inf and redo such a call on SDPA "
-           "(SageAttention returns NaN when all keys are equal, e.g. a zeroed negative prompt). Costs one GPU sync per call.",
+           "(SageAttention returns NaN when all keys are equal, e.g. a zeroed negative prompt). Each call is checked on a "
+           "run's first step, then each step's output (per call throughout for models that hide NaN, e.g. Flux); one GPU "
+           "sync per step.",
            optional=True),
     ],
     outputs=[("MODEL", "model")],
