@@ -627,3 +627,9 @@ def test_prebuilt_wheel_is_downloaded_checked_and_installed_without_deps(tmp_pat
     assert installer.install_prebuilt(w, log) == 0 and seen == [["--no-deps", str(tmp_path / "logs" / "downloads" / w.filename)]]
     # the shipped hash does not match these bytes: refused before pip runs
     assert installer.install_prebuilt(w0, log) == 1 and len(seen) == 1 and "sha256 mismatch" in log.read_text()
+
+
+def test_verify_code_compiles_and_judges_by_accuracy_class():
+    code = inst.VERIFY_CODE.format(root=str(ROOT))
+    compile(code, "verify", "exec")
+    assert "accuracy_class" in code  # a topk backend is not called WRONG for keeping no bound on random inputs
