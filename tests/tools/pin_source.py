@@ -9,7 +9,6 @@ and prints ``tree_sha256`` for ``PINS`` in install.py. GIT_DIR is any clone of t
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import subprocess
 import sys
 import tarfile
@@ -20,11 +19,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _install_module():
-    spec = importlib.util.spec_from_file_location("pa_install", ROOT / "install.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    sys.path.insert(0, str(ROOT))
+    import install  # install.py at the repository root
+
+    return install
 
 
 def main(argv=None) -> int:
