@@ -419,6 +419,8 @@ def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=Fa
     shapes = None if skip_reshape else (tuple(q4.shape), tuple(k4.shape), tuple(v4.shape))
 
     def call(q, k, v, check_key):
+        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
+            raise ValueError("head dim not contiguous")  # same shape, other strides: the full path copies
         if shapes is not None:
             q, k, v = q.view(shapes[0]), k.view(shapes[1]), v.view(shapes[2])
         out = fn(q, k, v, layout=layout, mask=None, scale=scale, opts=opts)

@@ -313,3 +313,20 @@ def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(b
     sw(run, None, None, None, sigmas)
     assert list(sel.decisions.values()) == ["sdpa"]
     assert cfg.stats.calls == {"sdpa": 1, "comfyui": 3} and len(host_calls) == 3  # tuned on the 1st, then ComfyUI's
+
+
+def test_same_shape_with_a_strided_head_dim_leaves_the_lean_path(backends):
+    seen = []
+
+    def strict(q, k, v, *, layout, mask, scale, opts):
+        seen.append(q.stride(-1))
+        return _sdpa(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale).transpose(1, 2)
+
+    backends("t_strict", strict, layouts=("NHD",))
+    q, k, v = _qkv()
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="t_strict", check_finite="deferred"), audit=False)
+    _forwards(ov, None, [(q, k, v, 2, {})], 2)
+    qs, ks, vs = (torch.randn(1, 32, 64)[..., ::2] for _ in range(3))  # same shape, stride 2 in the last dim
+    out = _forwards(ov, None, [(qs, ks, vs, 2, {})], 1)[0][0]
+    assert seen and set(seen) == {1}  # the kernel only ever saw a contiguous head dim
+    assert cos_rel(out, sdpa_ref(qs, ks, vs, 2))[1] < 1e-5
