@@ -222,20 +222,11 @@ class AttentionOverride:
         # is_compiling() first: dynamo must not read (and guard on) the per-forward state below
         if not torch.compiler.is_compiling() and self.lean_ok and self.active is True and not self.nonfinite_layers:
             key = self._lean_key(args, kwargs)
-            entry = self._lean.get(key) if key is not None else None
-            if entry and self.check_phase is not None and not entry.exact:
-                entry, key = None, None  # auto re-checks its lossy choices at this step: the full path does that
-            if entry:
-                layer = self.layer
-                self.layer = layer + 1
-                try:
-                    return entry(func, args, kwargs, layer)
-                except Exception:  # the full path below falls back and counts it
-                    self.layer = layer
-                    self._lean[key] = False
-                    entry = False
-            if entry is False:
-                key = None
+            if key is not None:
+                ran, val = self._try_lean(key, func, args, kwargs)
+                if ran:
+                    return val
+                key = val
         a, rest = _bind(args, kwargs)
         if torch.compiler.is_compiling():
             return op.attention_op(a["q"], a["k"], a["v"], a.get("mask"), a["heads"], bool(a.get("skip_reshape", False)),
@@ -244,6 +235,23 @@ class AttentionOverride:
         if key is not None:
             self._lean[key] = self._make_lean(func, a) or False
         return out
+
+    def _try_lean(self, key, func, args, kwargs):
+        """``(True, output)`` when the cached entry for ``key`` ran; else ``(False, k)``, ``k`` the key to cache an
+        entry under after the full path has run this call (None: leave it)."""
+        entry = self._lean.get(key)
+        if entry and self.check_phase is not None and not entry.exact:
+            return False, None  # auto re-checks its lossy choices at this step: the full path does that
+        if entry:
+            layer = self.layer
+            self.layer = layer + 1
+            try:
+                return True, entry(func, args, kwargs, layer)
+            except Exception:  # the full path falls back and counts it
+                self.layer = layer
+                self._lean[key] = False
+                return False, None
+        return False, None if entry is False else key
 
     @staticmethod
     def _lean_key(args, kwargs):
@@ -305,21 +313,11 @@ class AttentionOverride:
         """The custom op's real implementation (compiled models): the same path, without ComfyUI's function."""
         key = None
         if self.lean_ok and mask is None and not precise and self.active is True and not self.nonfinite_layers:
-            key = (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape, skip_output_reshape)
-            entry = self._lean.get(key)
-            if entry and self.check_phase is not None and not entry.exact:
-                entry, key = None, None
-            if entry:
-                layer = self.layer
-                self.layer = layer + 1
-                try:
-                    return entry(None, (q, k, v), None, layer)
-                except Exception:
-                    self.layer = layer
-                    self._lean[key] = False
-                    entry = False
-            if entry is False:
-                key = None
+            ran, val = self._try_lean((q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape,
+                                       skip_output_reshape), None, (q, k, v), None)
+            if ran:
+                return val
+            key = val
         a = {"q": q, "k": k, "v": v, "heads": heads, "mask": mask, "skip_reshape": skip_reshape,
              "skip_output_reshape": skip_output_reshape}
         out = self._run(None, None, None, a, None, precise)
