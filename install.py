@@ -153,8 +153,8 @@ class PrebuiltWheel:
 
     @property
     def url(self) -> str:
-        base = {"woct0rdho/SageAttention releases": "https://github.com/woct0rdho/SageAttention/releases/download"}[self.index]
-        return f"{base}/{self.tag}/{urllib.parse.quote(self.filename)}"
+        releases = next(ix.url for ix in WHEEL_INDEXES if ix.name == self.index)  # a GitHub releases page
+        return f"{releases}/download/{self.tag}/{urllib.parse.quote(self.filename)}"
 
     @property
     def fields(self) -> dict:
@@ -659,7 +659,7 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
         spec, why = triton_need(m)
         if spec:
             steps.insert(0, Step("triton", "wheel", why, pip_args=[spec]))
-        elif "no known" in why:
+        elif _torch_tuple(m.torch) not in TRITON_FOR_TORCH:
             for s in tritoned:
                 if s.action != "ok":
                     s.action, s.reason = "skip", f"needs Triton: {why}"

@@ -21,7 +21,6 @@ class Kernel:
     min_cc: tuple[int, int] | None = None
     max_cc: tuple[int, int] | None = None
     source: str = "wheel"  # "wheel": from PyPI; "build": compiled from source
-    upstream: str = ""  # source repository, for kernels built from source
     note: str = ""
     arch_families: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     backends: tuple[str, ...] = ()  # registry names this package provides
@@ -59,7 +58,6 @@ KERNELS: dict[str, Kernel] = {
             pip_name="sageattention",
             min_cc=(8, 0),
             source="build",
-            upstream="https://github.com/thu-ml/SageAttention",
             note="SageAttention 2.x, CUDA kernels built for the detected archs",
         ),
         Kernel(
@@ -79,7 +77,6 @@ KERNELS: dict[str, Kernel] = {
             pip_name="sageattn3",
             min_cc=(10, 0),
             source="build",
-            upstream="https://github.com/thu-ml/SageAttention",
             note="SageAttention3 (FP4), Blackwell only; source in sageattention3_blackwell/",
         ),
         Kernel(
@@ -91,7 +88,6 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(8, 0),
             max_cc=(9, 0),
             source="build",
-            upstream="https://github.com/thu-ml/SpargeAttn",
             note="SpargeAttn sparse attention",
         ),
         Kernel(

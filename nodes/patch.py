@@ -18,7 +18,7 @@ import torch
 
 from ..attention import REGISTRY, AttentionConfig, AutoSelector, attention, op
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
-from ..attention.dispatch import direct_call, error_vs_reference
+from ..attention.dispatch import direct_call, error_vs_reference, finite_flag
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -205,7 +205,8 @@ class AttentionOverride:
         return hit
 
     def __call__(self, func, *args, **kwargs):
-        if torch.compiler.is_compiling() and self.passthrough and not self.dense_layers \
+        compiling = torch.compiler.is_compiling()  # read once: every branch below depends on it
+        if compiling and self.passthrough and not self.dense_layers \
                 and getattr(func, "__name__", None) == "attention_pytorch" and is_host_exact(func) \
                 and len(args) > 1 and _same_heads(args[0], args[1]):
             # `sdpa` in a compiled model: ComfyUI's own SDPA function traced into the graph, as in the unpatched model
@@ -214,13 +215,13 @@ class AttentionOverride:
             return func(*args, **kwargs)
         if func is self._host and len(args) > 1 and self.passthrough and not self.dense_layers:
             # `sdpa` on ComfyUI's own exact function: hand the call over, a few attribute reads (hot path)
-            if _same_heads(args[0], args[1]) and not torch.compiler.is_compiling():
+            if _same_heads(args[0], args[1]) and not compiling:
                 self.layer += 1
                 self.config.stats.calls[HOST] += 1
                 return func(*args, **kwargs)
         key = None
-        # is_compiling() first: dynamo must not read (and guard on) the per-forward state below
-        if not torch.compiler.is_compiling() and self.lean_ok and self.active is True and not self.nonfinite_layers:
+        # `compiling` first: dynamo must not read (and guard on) the per-forward state below
+        if not compiling and self.lean_ok and self.active is True and not self.nonfinite_layers:
             key = self._lean_key(args, kwargs)
             if key is not None:
                 ran, val = self._try_lean(key, func, args, kwargs)
@@ -228,7 +229,7 @@ class AttentionOverride:
                     return val
                 key = val
         a, rest = _bind(args, kwargs)
-        if torch.compiler.is_compiling():
+        if compiling:
             return op.attention_op(a["q"], a["k"], a["v"], a.get("mask"), a["heads"], bool(a.get("skip_reshape", False)),
                                    bool(a.get("skip_output_reshape", False)), self.handle, wants_full_precision(a, rest))
         out = self._run(func, args, kwargs, a, rest.get("transformer_options"), wants_full_precision(a, rest))
@@ -256,8 +257,7 @@ class AttentionOverride:
     @staticmethod
     def _lean_key(args, kwargs):
         """The exact call shape, or None when this call is not one the lean path takes (a mask, a precision request)."""
-        if len(args) < 3 or len(args) > 4 or kwargs.get("mask") is not None or kwargs.get("attn_precision") is torch.float32 \
-                or kwargs.get("low_precision_attention", True) is False:
+        if len(args) < 3 or len(args) > 4 or kwargs.get("mask") is not None or wants_full_precision(kwargs, kwargs):
             return None
         q, k, v = args[0], args[1], args[2]
         heads = args[3] if len(args) > 3 else kwargs.get("heads")
@@ -507,7 +507,7 @@ class _ForwardWrapper(_Wrapper):
 def output_flag(out):
     """A 0-d device tensor, finite exactly when the forward's output is (NaN in any attention output reaches it), or
     None for an output that is not one tensor."""
-    return torch.sum(out, dtype=torch.float32) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+    return finite_flag(out) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
 
 _hides_nan_cache = {}
