@@ -595,6 +595,7 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
             continue
         if k.source == "build":
             have = m.installed.get(dist)
+            lacking = ""  # an installed SageAttention 2 without a module this GPU needs: said when it cannot be redone
             if key == "sageattention" and have and have.startswith("2") and not force:
                 need = {"_qattn_sm80"} | ({"_qattn_sm89"} if any(a >= (8, 9) for a in archs) else set())
                 need |= {"_qattn_sm90"} if (9, 0) in archs else set()
@@ -603,6 +604,7 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
                     steps.append(Step(key, "ok", f"sageattention {have} with {', '.join(sorted(need))}"))
                     sage2 = True
                     continue
+                lacking = f"sageattention {have} lacks {', '.join(missing)}; cannot rebuild: "
             elif have and key != "sageattention" and not force:
                 steps.append(Step(key, "ok", f"{dist} {have} already installed"))
                 continue
@@ -613,7 +615,8 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
                 continue
             tk_reason = toolkit_problem(m, archs, user_source=key in sources)
             if tk_reason:
-                steps.append(Step(key, "skip", tk_reason + ("" if m.os == "Linux" else "; no prebuilt wheel for this torch/CUDA")))
+                steps.append(Step(key, "skip", lacking + tk_reason
+                                  + ("" if m.os == "Linux" else "; no prebuilt wheel for this torch/CUDA")))
                 continue
             env = {"TORCH_CUDA_ARCH_LIST": arch_list(archs), "MAX_JOBS": str(max_jobs(m))}
             if m.cuda_home:

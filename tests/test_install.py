@@ -633,3 +633,10 @@ def test_verify_code_compiles_and_judges_by_accuracy_class():
     code = inst.VERIFY_CODE.format(root=str(ROOT))
     compile(code, "verify", "exec")
     assert "accuracy_class" in code  # a topk backend is not called WRONG for keeping no bound on random inputs
+
+
+def test_an_incomplete_sage2_that_cannot_be_rebuilt_says_what_it_lacks():
+    m = machine(nvcc=None, installed={"sageattention": "2.2.0"},
+                sage_modules={"_qattn_sm80": True, "_qattn_sm89": True, "_qattn_sm90": False})
+    sage = step(inst.plan(m), "sageattention")
+    assert sage.action == "skip" and sage.reason.startswith("sageattention 2.2.0 lacks _qattn_sm90; cannot rebuild: no CUDA")
