@@ -242,9 +242,22 @@ def clear_plan_cache() -> None:
     _plan_cache.clear()
 
 
-def run_backend(backend: Backend, q4, k4, v4, layout, mask, spec: CallSpec, target: CallSpec, scale, opts):
-    """Call ``backend`` on 4-D q/k/v in ``layout``; returns (out in ``layout`` at spec's dtype/dim, extras)."""
-    bl = layout if layout in backend.layouts else backend.layouts[0]
+def kernel_layout(backend: Backend, layout: str, skip_output_reshape: bool = False) -> str:
+    """The layout to hand ``backend`` for a call in ``layout``: for a ``layout_by_output`` kernel, the one whose output
+    is already what the caller returns (NHD for ``[B, N, H*D]``, HND for ``[B, H, N, D]``: no copy after the kernel);
+    otherwise the call's own layout when the kernel takes it, else its first."""
+    if backend.layout_by_output:
+        want = "HND" if skip_output_reshape else "NHD"
+        if want in backend.layouts:
+            return want
+    return layout if layout in backend.layouts else backend.layouts[0]
+
+
+def run_backend(backend: Backend, q4, k4, v4, layout, mask, spec: CallSpec, target: CallSpec, scale, opts,
+                skip_output_reshape=False):
+    """Call ``backend`` on 4-D q/k/v in ``layout``; returns (out in ``layout`` at spec's dtype/dim, extras). The output
+    may be a view of the kernel's own layout (see :func:`kernel_layout`)."""
+    bl = kernel_layout(backend, layout, skip_output_reshape)
     q, k, v = (_to(t, layout, bl) for t in (q4, k4, v4))
     if target.dtype != spec.dtype:
         q, k, v = (t.to(target.dtype) for t in (q, k, v))
@@ -283,22 +296,24 @@ def attention(
     scale: float | None = None,
     tag: str | None = None,
     check_key=None,
+    k_smoothed: bool = False,
 ) -> torch.Tensor:
     """Attention with ComfyUI's calling convention, dispatched per ``config``.
 
     ``options`` (per call) override ``config.options[backend]`` for this call only,
     e.g. per-layer SpargeAttn thresholds; ``tag`` (e.g. ``"layer7"``) files the call's
     metrics (sparsity) under ``backend@tag`` in the stats.  ``check_key`` names the call in deferred
-    finite checks.
+    finite checks.  ``k_smoothed``: K's mean over the sequence was already subtracted (a compiled graph does it for a
+    ``smooth_k`` backend): such backends are told not to do it again; every other backend computes the same attention.
     """
     cfg = config if config is not None else AttentionConfig()
     key = None
-    if options is None and tag is None and scale is None and not cfg.record_time and _forced.get() is None:
+    if options is None and tag is None and scale is None and not cfg.record_time and not k_smoothed and _forced.get() is None:
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, heads, skip_reshape,
                None if mask is None else (mask.shape, mask.dtype, mask.device))
         hit = cfg._fast.get(key)
         if hit is not None:
-            out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key)
+            out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape)
             if out is not None:
                 return finish(out, hit[3], hit[2], skip_output_reshape)
             cfg._fast.pop(key, None)  # it raised: the full path below handles and counts it
@@ -325,6 +340,8 @@ def attention(
             opts = cfg.options.get(name) or {}
             if options:
                 opts = {**opts, **options}
+            if k_smoothed and backend.smooth_k:
+                opts = {**opts, "smooth_k": False}
             try:
                 if cfg.record_time:
                     if q.is_cuda:
@@ -332,7 +349,7 @@ def attention(
                         t0.record()
                     else:
                         t0 = time.perf_counter()
-                out, extras = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, scale, opts)
+                out, extras = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, scale, opts, skip_output_reshape)
                 _check(cfg, backend, out, spec, check_key)
                 if cfg.record_time:
                     if q.is_cuda:
@@ -386,12 +403,13 @@ def _check(cfg, backend, out, spec, check_key):
         raise NonFiniteOutput(f"{backend.name} returned non-finite values (NaN/inf) for {spec.short()}")
 
 
-def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key):
+def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape):
     """A call shaped exactly like an earlier one: same plan, no validation or planning.  None if it raised."""
     backend, target, spec, layout, fallback, opts = hit
     q4, k4, v4, _ = _qkv_4d(q, k, v, heads, skip_reshape)
     try:
-        out, _ = run_backend(backend, q4, k4, v4, layout, _mask_4d(mask), spec, target, spec.head_dim ** -0.5, opts)
+        out, _ = run_backend(backend, q4, k4, v4, layout, _mask_4d(mask), spec, target, spec.head_dim ** -0.5, opts,
+                             skip_output_reshape)
         _check(cfg, backend, out, spec, check_key)
     except Exception:
         return None
@@ -401,35 +419,43 @@ def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key):
     return out
 
 
-def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=False, skip_output_reshape=False):
+def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=False, skip_output_reshape=False,
+                k_smoothed=False):
     """``(call, None)``: a function for calls shaped exactly like this one (no mask) that runs backend ``name`` with
     nothing else -- the view to the kernel's layout, the kernel, the deferred NaN flag, the count, the reshape back
     -- for hosts that cache it per call shape (the node layer does). ``(None, why)`` when ``name`` refuses such a
     call (the caller falls back), ``(None, None)`` when the call needs more than that (a cast, a padded head dim, a
-    layout change): the full path takes those. ``call(q, k, v, check_key)`` raises whatever the kernel raises."""
+    head dim that is not contiguous): the full path takes those. ``call(q, k, v, check_key)`` raises whatever the kernel
+    raises. ``k_smoothed`` as in :func:`attention`."""
     backend = REGISTRY.get(name)
     q4, k4, v4, layout, spec, _, scale = prepare(q, k, v, heads, None, skip_reshape)
     target, reason = plan_for(backend, spec)
     if reason is not None:
         return None, reason
-    if target != spec or layout not in backend.layouts or any(t.stride(-1) != 1 for t in (q4, k4, v4)):
+    bl = kernel_layout(backend, layout, skip_output_reshape)
+    if target != spec or any(t.stride(-1) != 1 for t in (q4, k4, v4)):
         return None, None
     fn, opts, calls = backend.fn, cfg.options.get(name) or {}, cfg.stats.calls
+    if k_smoothed and backend.smooth_k:
+        opts = {**opts, "smooth_k": False}
     check = backend.quantized  # and cfg.check_finite, read per call: the node turns it off and on per forward
     shapes = None if skip_reshape else (tuple(q4.shape), tuple(k4.shape), tuple(v4.shape))
+    swap = bl != layout
 
     def call(q, k, v, check_key):
         if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
             raise ValueError("head dim not contiguous")  # same shape, other strides: the full path copies
         if shapes is not None:
             q, k, v = q.view(shapes[0]), k.view(shapes[1]), v.view(shapes[2])
-        out = fn(q, k, v, layout=layout, mask=None, scale=scale, opts=opts)
+        if swap:
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        out = fn(q, k, v, layout=bl, mask=None, scale=scale, opts=opts)
         if type(out) is tuple:
             out = out[0]
         if check and cfg.check_finite:
             _check(cfg, backend, out, spec, check_key)
         calls[name] += 1
-        return finish(out, layout, spec, skip_output_reshape)
+        return finish(out, bl, spec, skip_output_reshape)
 
     return call, None
 

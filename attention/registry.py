@@ -83,6 +83,15 @@ class Backend:
     # zeroed negative prompt gives); the dispatcher checks their output when config.check_finite is on.
     quantized: bool = False
     accuracy: str = "exact"  # a key of ACCURACY; a quantized backend is at least "8bit"
+    # The kernel computes in whichever of ``layouts`` it is handed, reads its inputs through their strides and
+    # writes its output in that layout: the dispatcher hands it the layout whose output needs no copy for what the
+    # caller returns ([B, N, H*D] is a free view of NHD; [B, H, N, D] is HND), whatever the call's own layout.
+    layout_by_output: bool = False
+    # The kernel's Python wrapper subtracts K's mean over the sequence before quantizing (SageAttention's
+    # ``smooth_k``; attention is unchanged by it: every query's logits shift by one constant) unless told
+    # ``smooth_k=False``.  A compiled model does that subtraction in its graph, where inductor fuses it with the ops
+    # that produce K, and tells the kernel so, instead of running it eagerly inside the custom op.
+    smooth_k: bool = False
     _avail: Availability | None = field(default=None, repr=False)
 
     def __post_init__(self):

@@ -13,6 +13,7 @@ classes at full size with random weights (``PRESETS``).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -123,19 +124,44 @@ def _sample(model, job: Job, steps: int, callback=None):
 
 
 def _timed_sample(model, job: Job):
-    """(latent, seconds per step): the median interval between the sampler's step callbacks (device synced at each),
-    so model loading and conditioning setup before the first step are not counted."""
+    """(latent, seconds per step, host CPU seconds per step): the median interval between the sampler's step callbacks
+    (device synced at each), so model loading and conditioning setup before the first step are not counted; the same
+    for this thread's CPU time (close to the wall time where the host is the bottleneck, and blind to time the thread
+    spent waiting for a CPU of a shared machine)."""
     marks = []
 
     def cb(*_):
         _sync()
-        marks.append(time.perf_counter())
+        marks.append((time.perf_counter(), time.thread_time()))
 
     _sync()
-    marks.append(time.perf_counter())
+    marks.append((time.perf_counter(), time.thread_time()))
     lat = _sample(model, job, job.steps, cb)
-    steps = [b - a for a, b in zip(marks[1:], marks[2:])] or [b - a for a, b in zip(marks, marks[1:])]
-    return lat, statistics.median(steps)
+    pairs = list(zip(marks[1:], marks[2:])) or list(zip(marks, marks[1:]))
+    return (lat, statistics.median(b[0] - a[0] for a, b in pairs), statistics.median(b[1] - a[1] for a, b in pairs))
+
+
+def median_ci(xs, conf: float = 0.95):
+    """(median, low, high): the median of ``xs`` and a distribution-free interval for it (order statistics whose ranks
+    the binomial(n, 1/2) distribution puts around the middle with at least ``conf`` coverage; the whole range when n
+    is too small for that)."""
+    xs = sorted(xs)
+    n = len(xs)
+    med = statistics.median(xs)
+    lo, tail = 0, 0.0  # largest lo with P(Binom(n, 1/2) < lo + 1) <= (1 - conf) / 2, counting ranks from 0
+    for j in range(n // 2):
+        tail += math.comb(n, j) / 2**n
+        if tail > (1 - conf) / 2:
+            break
+        lo = j + 1
+    lo = min(lo, (n - 1) // 2)
+    return med, xs[max(lo - 1, 0)] if lo else xs[0], xs[n - lo] if lo else xs[-1]
+
+
+def paired_ratio(ref_times, row_times, conf: float = 0.95):
+    """Speed of a row against a reference row (>1: faster) from the rounds they shared, each ratio taken within one
+    round (rows run in turn, so drift of a shared machine cancels): (median, low, high) of ``ref / row``."""
+    return median_ci([a / b for a, b in zip(ref_times, row_times)], conf)
 
 
 def _sync():
@@ -197,13 +223,15 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             log.warning("e2e %s %s: %s", job.label, row, r["error"])
         out_rows.append(r)
     times = {row: [] for row in models}
+    cpu = {row: [] for row in models}
     latents, peaks = {}, {}
     for _ in range(rounds):
         for row, m in models.items():
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            latents[row], dt = _timed_sample(m, job)
+            latents[row], dt, ct = _timed_sample(m, job)
             times[row].append(dt)
+            cpu[row].append(ct)
             if torch.cuda.is_available():
                 peaks[row] = max(peaks.get(row, 0.0), torch.cuda.max_memory_allocated() / 2**30)
     ref = latents.get(UNPATCHED)
@@ -214,6 +242,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["s_per_step"] = pick(times[row])
         r["stat"] = stat
         r["s_per_step_runs"] = [round(t, 5) for t in times[row]]
+        r["cpu_s_per_step"] = round(pick(cpu[row]), 5)
         if row in peaks:
             r["peak_gib"] = round(peaks[row], 2)
         r["finite"] = bool(torch.isfinite(lat).all())
@@ -231,19 +260,50 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
     for x in out_rows:
         if base and "s_per_step" in x:
             x["vs_unpatched"] = round(base / x["s_per_step"], 3)
+    if rounds >= 3:
+        add_paired(out_rows, rows, times)
     return out_rows
 
 
+def add_paired(out_rows, rows, times) -> None:
+    """Per-round paired ratios with 95 % intervals (``paired``): every row against unpatched; a Patch Attention kernel
+    row against its peer; ``auto`` against the best of unpatched and every explicit kernel row in each round."""
+    explicit = [r for r in times if r != UNPATCHED and r != "auto" and not r.startswith(PEER) and not r.endswith(NO_NAN_NET)]
+    for x, row in zip(out_rows, rows):
+        if row not in times or UNPATCHED not in times:
+            continue
+        p = {"vs_unpatched": paired_ratio(times[UNPATCHED], times[row])}
+        if PEER + row in times:
+            p["vs_peer"] = paired_ratio(times[PEER + row], times[row])
+        if row == "auto":
+            best = [min(ts) for ts in zip(*(times[r] for r in [UNPATCHED, *explicit]))]
+            p["vs_best"] = paired_ratio(best, times[row])
+        x["paired"] = {k: [round(v, 4) for v in val] for k, val in p.items()}
+
+
+def _ci(p) -> str:
+    return f"×{p[0]:.3f} [{p[1]:.3f}, {p[2]:.3f}]"
+
+
 def render_markdown(rows: list[dict], header: str = "") -> str:
+    paired = any("paired" in r for r in rows)
     lines = [header, ""] if header else []
-    lines += ["| preset | row | s/step | speed vs unpatched | cos / rel-L1 vs unpatched | peak VRAM GiB | kernels that ran |",
-              "|---|---|---|---|---|---|---|"]
+    extra = " paired per round, vs unpatched [95 % interval] | vs peer / vs best row [95 % interval] |" if paired else ""
+    lines += ["| preset | row | s/step | speed vs unpatched |" + extra +
+              " cos / rel-L1 vs unpatched | peak VRAM GiB | kernels that ran |",
+              "|---|---|---|---|" + ("---|---|" if paired else "") + "---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | | | | |")
+            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | |" + (" | |" if paired else "") + " | | |")
             continue
         kern = r.get("kernels", "") + (f" (auto: {r['auto']})" if r.get("auto") else "")
-        lines.append(f"| {r['preset']} | {r['row']} | {r['s_per_step']:.4f} | ×{r.get('vs_unpatched', 0):.3f} | "
+        cols = ""
+        if paired:
+            p = r.get("paired", {})
+            other = p.get("vs_peer") or p.get("vs_best")
+            cols = f" {_ci(p['vs_unpatched']) if 'vs_unpatched' in p else ''} | " \
+                   f"{('vs best ' if 'vs_best' in p else 'vs peer ') + _ci(other) if other else ''} |"
+        lines.append(f"| {r['preset']} | {r['row']} | {r['s_per_step']:.4f} | ×{r.get('vs_unpatched', 0):.3f} |{cols} "
                      f"{r['cos']:.5f} / {r['rel_l1']:.4f}{'' if r['finite'] else ' NaN'} | {r.get('peak_gib', '')} | {kern} |")
     return "\n".join(lines)
 

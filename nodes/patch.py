@@ -153,6 +153,8 @@ class AttentionOverride:
         self._audited = set()  # call kinds whose first call was compared with dense
         self.passthrough = config.backend == "sdpa" and not config.record_time  # `sdpa` is the host's SDPA call
         self.exact = config.backend != "auto" and not REGISTRY.get(config.backend).quantized
+        # compiled models subtract K's mean in their graph for a backend that declares it (see attention.op)
+        self.smooth_k = config.backend != "auto" and REGISTRY.get(config.backend).smooth_k
         self.handle = op.register(self)
         self._host = ()  # ComfyUI's exact attention function once seen (the hot path compares identity)
         # Lean path: per exact call shape, the resolved call (kernel, or ComfyUI's function for a refused shape), for
@@ -230,8 +232,10 @@ class AttentionOverride:
                 key = val
         a, rest = _bind(args, kwargs)
         if compiling:
-            return op.attention_op(a["q"], a["k"], a["v"], a.get("mask"), a["heads"], bool(a.get("skip_reshape", False)),
-                                   bool(a.get("skip_output_reshape", False)), self.handle, wants_full_precision(a, rest))
+            mask, precise = a.get("mask"), wants_full_precision(a, rest)
+            return op.traced_call(a["q"], a["k"], a["v"], mask, a["heads"], bool(a.get("skip_reshape", False)),
+                                  bool(a.get("skip_output_reshape", False)), self.handle, precise,
+                                  self.smooth_k and mask is None and not precise)
         out = self._run(func, args, kwargs, a, rest.get("transformer_options"), wants_full_precision(a, rest))
         if key is not None:
             self._lean[key] = self._make_lean(func, a) or False
@@ -264,7 +268,7 @@ class AttentionOverride:
         return (q.shape, k.shape, v.shape, q.dtype, q.device, heads, kwargs.get("skip_reshape", False),
                 kwargs.get("skip_output_reshape", False))
 
-    def _make_lean(self, func, a):
+    def _make_lean(self, func, a, k_smoothed=False):
         """The lean entry for this call shape (after its first call took the full path and was audited), or None."""
         cfg = self.config
         q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
@@ -288,7 +292,7 @@ class AttentionOverride:
 
                 host_sdpa.exact = True
                 return host_sdpa
-            call, refused = direct_call(cfg, name, q, k, v, heads, sr, sor)
+            call, refused = direct_call(cfg, name, q, k, v, heads, sr, sor, k_smoothed)
         except Exception:
             return None
         if call is not None:
@@ -309,23 +313,24 @@ class AttentionOverride:
             return host
         return None
 
-    def op_call(self, q, k, v, mask, heads, skip_reshape, skip_output_reshape, precise):
-        """The custom op's real implementation (compiled models): the same path, without ComfyUI's function."""
+    def op_call(self, q, k, v, mask, heads, skip_reshape, precise, k_smoothed):
+        """The custom op's real implementation (compiled models): the same path, without ComfyUI's function; returns
+        ``[B, N, H*Dv]`` (the op's caller reshapes in the graph).  ``k_smoothed``: the graph subtracted K's mean."""
         key = None
         if self.lean_ok and mask is None and not precise and self.active is True and not self.nonfinite_layers:
-            ran, val = self._try_lean((q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape,
-                                       skip_output_reshape), None, (q, k, v), None)
+            ran, val = self._try_lean((q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape, k_smoothed),
+                                      None, (q, k, v), None)
             if ran:
                 return val
             key = val
         a = {"q": q, "k": k, "v": v, "heads": heads, "mask": mask, "skip_reshape": skip_reshape,
-             "skip_output_reshape": skip_output_reshape}
-        out = self._run(None, None, None, a, None, precise)
+             "skip_output_reshape": False}
+        out = self._run(None, None, None, a, None, precise, k_smoothed)
         if key is not None:
-            self._lean[key] = self._make_lean(None, a) or False
+            self._lean[key] = self._make_lean(None, a, k_smoothed) or False
         return out
 
-    def _run(self, func, args, kwargs, a, topts, precise):
+    def _run(self, func, args, kwargs, a, topts, precise, k_smoothed=False):
         layer = self.layer
         self.layer = layer + 1
         dense = self._is_dense(layer, topts)
@@ -346,7 +351,7 @@ class AttentionOverride:
         kw = dict(skip_reshape=bool(a.get("skip_reshape", False)), skip_output_reshape=bool(a.get("skip_output_reshape", False)))
         q, k, v, heads, mask = a["q"], a["k"], a["v"], a["heads"], a.get("mask")
         out = attention(q, k, v, heads, mask, config=cfg, options=options,
-                        tag=f"layer{layer}" if sparse_report else None, check_key=layer, **kw)
+                        tag=f"layer{layer}" if sparse_report else None, check_key=layer, k_smoothed=k_smoothed, **kw)
         if dense:
             return out
         if self.audit:

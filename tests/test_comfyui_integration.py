@@ -289,6 +289,42 @@ def test_end_to_end_benchmark_node_on_a_real_model(pack):
                  steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0, rows="nope", peers=True, compile=False)
 
 
+def test_median_interval_is_distribution_free():
+    import importlib
+
+    from pack import load
+
+    e2e = importlib.import_module(load().__name__ + ".nodes.e2e")
+    # n = 30: ranks 10 and 21 (1-based) bound the median with 95.7 % coverage; n = 8: the whole range (99.2 %)
+    assert e2e.median_ci(list(range(30, 0, -1))) == (15.5, 10, 21)
+    assert e2e.median_ci([3, 1, 2, 8, 5, 4, 7, 6]) == (4.5, 1, 8)
+    med, lo, hi = e2e.paired_ratio([1.0, 2.0, 4.0], [1.0, 1.0, 2.0])  # ratios 1, 2, 2
+    assert (med, lo, hi) == (2.0, 1.0, 2.0)
+
+
+def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pack):
+    """With rounds, every row gets a per-round ratio against unpatched with an interval; a kernel row against its
+    peer; auto against the best row of each round. The table shows them."""
+    import importlib
+
+    mod, _ = pack
+    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    from comfyui_support import flux_conds
+
+    pos, neg = flux_conds()
+    job = e2e.Job(tiny_flux(), pos, neg, torch.zeros(1, 16, 16, 16), steps=3, label="tiny")
+    rows = e2e.measure(job, ["unpatched", "sdpa_math", "auto", "peer:sdpa_math"], rounds=3)
+    by = {r["row"]: r for r in rows}
+    for r in rows:
+        med, lo, hi = r["paired"]["vs_unpatched"]
+        assert lo <= med <= hi and len(r["s_per_step_runs"]) == 3 and r["cpu_s_per_step"] > 0
+    assert by["unpatched"]["paired"]["vs_unpatched"] == [1.0, 1.0, 1.0]
+    assert "vs_peer" in by["sdpa_math"]["paired"] and "vs_best" in by["auto"]["paired"]
+    assert "vs_peer" not in by["auto"]["paired"]
+    md = e2e.render_markdown(rows)
+    assert "paired per round" in md and "vs peer ×" in md and "vs best ×" in md
+
+
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
     mod, _ = pack
     e2e = mod.nodes.e2e

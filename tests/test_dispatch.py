@@ -176,6 +176,73 @@ def test_layout_handed_to_the_kernel_is_a_view_it_accepts(temp_backend, src_skip
         assert cos_rel(out, sdpa_ref(q, q, q, h, skip_reshape=src_skip))[0] >= 0.9999
 
 
+@pytest.mark.parametrize("src_skip", [False, True])
+@pytest.mark.parametrize("out_skip", [False, True])
+def test_a_layout_by_output_kernel_gets_the_layout_whose_output_needs_no_copy(temp_backend, src_skip, out_skip):
+    """[B, N, H*D] is a free view of NHD, [B, H, N, D] is HND: whatever the call's layout, such a kernel computes in
+    the one the caller returns, through both the full path and the lean per-shape call."""
+    from attention.dispatch import direct_call
+
+    seen = []
+    be = _recording_backend(f"t_free_{src_skip}_{out_skip}", (), seen, layouts=("HND", "NHD"))
+    be.layout_by_output = True
+    temp_backend(be)
+    b, h, d, n = 2, 3, 16, 40
+    q, k, v = bnc(b, n, h, d), bnc(b, 50, h, d), bnc(b, 50, h, d)
+    if src_skip:
+        q, k, v = (t.view(b, -1, h, d).transpose(1, 2).contiguous() for t in (q, k, v))
+    want = "HND" if out_skip else "NHD"
+    cfg = AttentionConfig(backend=be.name)
+    ref = sdpa_ref(q, k, v, h, skip_reshape=src_skip, skip_output_reshape=out_skip)
+    out = attention(q, k, v, h, skip_reshape=src_skip, skip_output_reshape=out_skip, config=cfg)
+    assert seen[-1]["layout"] == want and seen[-1]["contig_last"]
+    assert out.shape == ref.shape and cos_rel(out, ref)[0] >= 0.9999
+    call, refused = direct_call(cfg, be.name, q, k, v, h, src_skip, out_skip)
+    assert refused is None
+    out2 = call(q, k, v, 0)
+    assert seen[-1]["layout"] == want and out2.shape == ref.shape and cos_rel(out2, ref)[0] >= 0.9999
+
+
+def _smoothing_backend(name, seen):
+    """SageAttention's smooth_k in miniature: subtracts K's mean over the sequence unless told smooth_k=False."""
+    def fn(q, k, v, *, layout, mask, scale, opts):
+        seq = 2 if layout == "HND" else 1
+        seen.append({"opts": dict(opts), "k_mean": float(k.float().mean(dim=seq).abs().max())})
+        if opts.get("smooth_k", True):
+            k = k - k.mean(dim=seq, keepdim=True)
+        if layout == "NHD":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return o if layout == "HND" else o.transpose(1, 2)
+
+    return Backend(name=name, family="test", fn=fn, constraints=(), layouts=("HND", "NHD"), smooth_k=True,
+                   probe=lambda: Availability(True, version="test"))
+
+
+def test_a_k_smoothed_call_tells_smooth_k_backends_and_only_them(temp_backend):
+    """A compiled graph subtracts K's mean for a smooth_k backend; the dispatcher then passes smooth_k=False to such a
+    backend (full path and lean call), and nothing to any other: attention is the same with a shifted K."""
+    from attention.dispatch import direct_call
+
+    seen, other = [], []
+    temp_backend(_smoothing_backend("t_smooth", seen))
+    temp_backend(_recording_backend("t_plain", (), other))
+    q, k, v = bnc(1, 40, 2, 16), bnc(1, 60, 2, 16) + 3.0, bnc(1, 60, 2, 16)
+    ref = sdpa_ref(q, k, v, 2)
+    ks = k - k.mean(dim=1, keepdim=True)
+    out = attention(q, k, v, 2, config=AttentionConfig(backend="t_smooth"))
+    assert "smooth_k" not in seen[-1]["opts"] and seen[-1]["k_mean"] > 1.0
+    out_s = attention(q, ks, v, 2, config=AttentionConfig(backend="t_smooth"), k_smoothed=True)
+    assert seen[-1]["opts"] == {"smooth_k": False} and seen[-1]["k_mean"] < 1e-5
+    call, _ = direct_call(AttentionConfig(backend="t_smooth"), "t_smooth", q, ks, v, 2, k_smoothed=True)
+    out_l = call(q, ks, v, 0)
+    assert seen[-1]["opts"] == {"smooth_k": False}
+    attention(q, ks, v, 2, config=AttentionConfig(backend="t_plain"), k_smoothed=True)
+    assert other[-1]["opts"] == {}
+    for o in (out, out_s, out_l):
+        assert cos_rel(o, ref)[0] >= 0.9999
+
+
 def test_mask_goes_only_to_backends_that_declare_it(temp_backend):
     seen_no, seen_yes = [], []
     temp_backend(_recording_backend("t_nomask", (Masks(()),), seen_no))

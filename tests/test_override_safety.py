@@ -193,11 +193,16 @@ def test_lean_path_gives_the_full_paths_result_and_counts(backends):
     assert len(lean._lean) == 3 and all(callable(e) for e in lean._lean.values())
     assert lean.config.stats.calls == full.config.stats.calls == {"t_q8": 12}
     assert set(seen) == {"NHD", "HND"}  # each call in its own layout, no transpose on the lean path
-    # a backend that takes only HND gets NHD calls through the full path (it transposes): no lean entry for those
-    backends("t_hnd", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, scale))
+    # a backend that takes only HND gets NHD calls as transposed views on the lean path too, with the full path's result
+    hnd_layouts = []
+    backends("t_hnd", lambda q, k, v, *, layout, mask, scale, opts: hnd_layouts.append(layout) or _sdpa(q, k, v, scale))
     hnd = patch.AttentionOverride(A.AttentionConfig(backend="t_hnd", check_finite="deferred"))
-    _forwards(hnd, None, calls, 2)
-    assert sorted(map(bool, hnd._lean.values())) == [False, False, True]
+    hnd_full = patch.AttentionOverride(A.AttentionConfig(backend="t_hnd", check_finite="deferred"))
+    hnd_full.lean_ok = False
+    for x, y in zip(_forwards(hnd, None, calls, 3), _forwards(hnd_full, None, calls, 3)):
+        for o1, o2 in zip(x, y):
+            assert torch.equal(o1, o2)
+    assert len(hnd._lean) == 3 and all(callable(e) for e in hnd._lean.values()) and set(hnd_layouts) == {"HND"}
 
 
 def test_nan_on_the_lean_path_is_caught_and_the_layer_goes_dense(backends):

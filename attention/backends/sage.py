@@ -72,7 +72,10 @@ def _sage3(q, k, v, *, layout, mask, scale, opts):
     return sageattn3_blackwell(q, k, v, is_causal=False)
 
 
-def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD"), accuracy="8bit"):
+def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD"), accuracy="8bit", smooth_k=False):
+    # Every 2.x entry point (and 1.0.6) allocates its output in the tensor_layout it is given and quantizes through
+    # strides: layout_by_output. smooth_k: the entry points that take it subtract K's mean in Python (the per-thread
+    # quantizers `k = k - km`); sageattn() does not pass it on.
     REGISTRY.register(
         Backend(
             name=name,
@@ -83,6 +86,8 @@ def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD"), accuracy
             probe=probe,
             description=description,
             accuracy=accuracy,
+            layout_by_output=len(layouts) > 1,
+            smooth_k=smooth_k,
         )
     )
 
@@ -109,6 +114,7 @@ _entry(
     # (head dims 40-128, 77-key cross-attention, bf16 and fp32, both layouts): masked calls go to the next backend.
     (ComputeCapability(min=(8, 0)), Masks(())),
     "SageAttention 2: INT8 QK, FP16 PV, Triton",
+    smooth_k=True,
 )
 _entry(
     "sage_fp16_cuda",
@@ -117,6 +123,7 @@ _entry(
     # NaN for every single-key call on the H100 (contract matrix): such calls go to the next backend
     (ComputeCapability(min=(8, 0)), Masks(()), MinSeqLen(kv=2)),
     "SageAttention 2: INT8 QK, FP16 PV (fp32 accumulation), CUDA",
+    smooth_k=True,
 )
 _entry(
     "sage_fp8_cuda",
@@ -124,6 +131,7 @@ _entry(
     _sage_v2_probe("SM89_ENABLED", "sageattn_qk_int8_pv_fp8_cuda"),
     (ComputeCapability(min=(8, 9)), Masks(())),
     "SageAttention 2: INT8 QK, FP8 PV (fp32+fp32 accumulation), CUDA sm89 kernel",
+    smooth_k=True,
 )
 _entry(
     "sage_fp8_cuda_fp16acc",
@@ -131,6 +139,7 @@ _entry(
     _sage_v2_probe("SM89_ENABLED", "sageattn_qk_int8_pv_fp8_cuda"),
     (ComputeCapability(min=(8, 9)), Masks(())),
     "SageAttention 2: INT8 QK, FP8 PV (fp32+fp16 accumulation), CUDA sm89 kernel",
+    smooth_k=True,
 )
 _entry(
     "sage_fp8_sm90",
@@ -138,6 +147,7 @@ _entry(
     _sage_v2_probe("SM90_ENABLED", "sageattn_qk_int8_pv_fp8_cuda_sm90"),
     (ComputeCapability(exact=((9, 0),)), Masks(())),
     "SageAttention 2: INT8 QK, FP8 PV, Hopper (sm90) kernel",
+    smooth_k=True,
 )
 _entry(
     "sage3",
