@@ -189,6 +189,12 @@ class AttentionOverride:
         hi, lo = self.sigma_range
         return lo <= s <= hi
 
+    def rechecks_pending(self) -> bool:
+        """``auto`` has run a lossy choice in this run, so its middle and last steps re-check those: only then does a
+        forward read its sigma for the phase (a device sync per forward). A run whose choices are all exact (SDPA on
+        image models) never syncs for it."""
+        return bool(self.check_sigmas) and any(n in REGISTRY and REGISTRY.get(n).quantized for n in self.config.stats.calls)
+
     def phase_of(self, sigma):
         """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
         s = _as_float(sigma) if self.check_sigmas else None
@@ -463,10 +469,11 @@ class _ForwardWrapper(_Wrapper):
         ov = self.override
         cfg = ov.config
         sigma = args[1] if len(args) > 1 else kwargs.get("t")
-        if ov.sigma_range is not None or ov.check_sigmas:
+        recheck = ov.rechecks_pending()
+        if ov.sigma_range is not None or recheck:
             sigma = _as_float(sigma)  # read once for both uses below: one sync per forward
         ov.active = ov.in_range(sigma) if ov.sigma_range is not None else True
-        ov.check_phase = ov.phase_of(sigma)
+        ov.check_phase = ov.phase_of(sigma) if recheck else None
         ov.start_forward()
         per_call = False
         if ov.nan_net:

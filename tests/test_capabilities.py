@@ -58,12 +58,23 @@ def test_declared_constraints(name, s, expect):
 
 
 @pytest.mark.parametrize("d, padded", [(40, 64), (64, 64), (72, 96), (80, 96), (96, 96), (128, 128), (160, None)])
-def test_sage_pads_sd15_head_dims(d, padded):
-    adapted, reason = why("sage", spec(d=d))
+def test_sage1_gets_sd15_head_dims_padded(d, padded):
+    adapted, reason = why("sage1_triton", spec(cc=(8, 6), d=d))
     if padded is None:
         assert reason and "head dim 160 unsupported" in reason
     else:
         assert reason is None and adapted.head_dim == padded
+
+
+@pytest.mark.parametrize("name", ["sage_fp8_sm90", "sage_fp16_cuda", "sage_triton", "sage_fp8_cuda"])
+@pytest.mark.parametrize("d", [32, 40, 72, 80, 96, 128, 160])
+def test_sage2_takes_head_dims_up_to_128_as_they_are(name, d):
+    """SageAttention 2.x pads to 64 or 128 itself: padding before it would copy twice (80 -> 96 -> 128)."""
+    adapted, reason = why(name, spec(d=d))
+    if d > 128:
+        assert reason and f"head dim {d} unsupported" in reason
+    else:
+        assert reason is None and adapted.head_dim == d
 
 
 def test_fp32_plans_to_bf16_on_ampere_and_fp16_before():

@@ -118,8 +118,11 @@ def test_an_accurate_lossy_kernel_is_audited_silently(backends):
     assert ov.config.stats.as_dict()["metrics"]["t_fine@first-call.cos_vs_dense"]["mean"] > 0.9999
 
 
-def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends):
+def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends, monkeypatch):
     drift = {"on": False}
+    reads = []
+    real = patch._as_float
+    monkeypatch.setattr(patch, "_as_float", lambda s: reads.append(s) or real(s))
 
     def drifting(q, k, v, *, layout, mask, scale, opts):
         o = _sdpa(q, k, v, scale)
@@ -146,6 +149,7 @@ def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(ba
     assert sel.decisions and list(sel.decisions.values()) == ["t_drift"]
     assert seen[0] < 1e-5 and seen[1] > 0.1  # step 2 ran the drifted kernel: nothing checks between the gates
     assert seen[2] < 1e-5 and seen[3] < 1e-5  # mid step: failed the re-check, redone dense, dense from then on
+    assert len(reads) >= 3  # once a lossy choice ran, every later forward reads its sigma for the phase
     d = cfg.stats.as_dict()
     assert "t_drift failed the gate at the mid step" in next(iter(d["auto"].values()))
     assert d["metrics"]["t_drift@recheck-mid.rel_l1_vs_dense"]["mean"] > 0.08
@@ -299,9 +303,12 @@ def test_an_unknown_model_keeps_per_call_flags(backends):
     assert patch.model_hides_nan(None) is True
 
 
-def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(backends):
+def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(backends, monkeypatch):
     """auto's exact choices need no re-check: at the middle and last step they keep the lean path (ComfyUI's own
-    function for SDPA) instead of the dispatcher's."""
+    function for SDPA) instead of the dispatcher's, and no forward reads its sigma (a device sync) for the phase."""
+    reads = []
+    real = patch._as_float
+    monkeypatch.setattr(patch, "_as_float", lambda s: reads.append(s) or real(s))
     sel = A.AutoSelector(timer=lambda name, fn, dev: {"sdpa": 1.0}.get(name, 9.0),
                          exclude={n for n in A.REGISTRY.names() if n != "sdpa"})
     cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
@@ -318,6 +325,7 @@ def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(b
     sw(run, None, None, None, sigmas)
     assert list(sel.decisions.values()) == ["sdpa"]
     assert cfg.stats.calls == {"sdpa": 1, "comfyui": 3} and len(host_calls) == 3  # tuned on the 1st, then ComfyUI's
+    assert not reads
 
 
 def test_same_shape_with_a_strided_head_dim_leaves_the_lean_path(backends):

@@ -10,9 +10,20 @@ from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, 
 from ..registry import REGISTRY, Availability, Backend, import_probe, version_of
 
 HALF = (torch.float16, torch.bfloat16)
-# Sage 1.0.6 asserts head dim in {64, 96, 128}; 2.x pads internally to 64/128 and refuses > 128.
-SAGE_DIMS = HeadDims(dims=(64, 96, 128))
-COMMON = (DeviceTypes(("cuda",)), DTypes(HALF), GroupedQuery(True), SameHeadDimV(), SAGE_DIMS)
+# Sage 1.0.6 asserts head dim in {64, 96, 128}: the dispatcher pads to those. 2.x pads to 64 or 128 itself and
+# refuses more than 128: padding first would copy twice (SD1.5's 80 to 96 here, then 96 to 128 in the library) and
+# keep such calls off the lean path.
+SAGE1_DIMS = HeadDims(dims=(64, 96, 128))
+SAGE2_DIMS = HeadDims(max=128)
+COMMON = (DeviceTypes(("cuda",)), DTypes(HALF), GroupedQuery(True), SameHeadDimV())
+
+
+def _installed_dims():
+    """sageattn() is 1.0.6's or 2.x's, whichever is installed."""
+    try:
+        return SAGE2_DIMS if int(version_of("sageattention").split(".")[0]) >= 2 else SAGE1_DIMS
+    except Exception:  # not installed: the backend is unavailable anyway
+        return SAGE1_DIMS
 
 
 def _sage():
@@ -72,7 +83,8 @@ def _sage3(q, k, v, *, layout, mask, scale, opts):
     return sageattn3_blackwell(q, k, v, is_causal=False)
 
 
-def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD"), accuracy="8bit", smooth_k=False):
+def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD"), accuracy="8bit", smooth_k=False,
+           dims=SAGE2_DIMS):
     # Every 2.x entry point (and 1.0.6) allocates its output in the tensor_layout it is given and quantizes through
     # strides: layout_by_output. smooth_k: the entry points that take it subtract K's mean in Python (the per-thread
     # quantizers `k = k - km`); sageattn() does not pass it on.
@@ -81,7 +93,7 @@ def _entry(name, fn, probe, extra, description, layouts=("HND", "NHD"), accuracy
             name=name,
             family="sage",
             fn=fn,
-            constraints=COMMON + extra,
+            constraints=COMMON + (dims,) + extra,
             layouts=layouts,
             probe=probe,
             description=description,
@@ -98,6 +110,7 @@ _entry(
     import_probe("sageattention", attr="sageattn"),
     (ComputeCapability(min=(8, 0)), Masks(())),
     "sageattn(): the library's own per-GPU pick (what other node packs call)",
+    dims=_installed_dims(),
 )
 _entry(
     "sage1_triton",
@@ -105,6 +118,7 @@ _entry(
     _sage1_probe,
     (ComputeCapability.of_kernel("sageattention1"), Masks(())),
     "SageAttention 1.0.6 (PyPI, Triton)",
+    dims=SAGE1_DIMS,
 )
 _entry(
     "sage_triton",
@@ -157,4 +171,5 @@ _entry(
     "SageAttention3 FP4 (Blackwell)",
     layouts=("HND",),
     accuracy="4bit",
+    dims=SAGE1_DIMS,
 )

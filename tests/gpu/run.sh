@@ -10,7 +10,9 @@
 #   env            unpack kernels, wheels and ComfyUI (every other stage needs it; run it first)
 #   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI)
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
-#   e2e-image      end-to-end benchmark, SD1.5 / SDXL (host-bound), main rows, 8 rounds, minimum
+#                  (MATRIX_BACKENDS=a,b limits it)
+#   e2e-image      end-to-end benchmark, SD1.5 / SDXL (host-bound), main rows, 20 rounds: minimum, and paired
+#                  per-round ratios with 95 % intervals (vs unpatched, vs peer, auto vs the best row)
 #   e2e-flux       end-to-end benchmark, Flux-dev, main rows, 3 rounds, median
 #   e2e-image-all  the same, every row, one round, profiled
 #   e2e-wan        end-to-end benchmark, Wan 2.1 1.3B 480p/81f, every row, profiled
@@ -43,23 +45,30 @@ stage_env() {
 # compile tests run in CI; the server tier needs ComfyUI's frontend package, which this machine cannot fetch
 stage_pytest() { timeout 240 $PY -m pytest tests -q -k "not compile and not server" 2>&1 | tail -n 15; }
 
-stage_matrix() { timeout 400 $PY tests/gpu/matrix.py --out "$OUT/contract.json" --md "$OUT/contract.md" 2>&1 | tail -n 60; }
+stage_matrix() {
+  timeout 400 $PY tests/gpu/matrix.py --out "$OUT/contract.json" --md "$OUT/contract.md" --backends "${MATRIX_BACKENDS:-}" 2>&1 \
+    | tail -n 60
+}
 
 e2e() {  # name, timeout, bench_e2e arguments...
   local name=$1 t=$2; shift 2
   timeout "$t" $PY bench_e2e.py "$@" --md "$OUT/$name.md" --json "$OUT/$name.json" 2>&1 | grep -v "row/s\]" | tail -n 40
 }
 IMAGE_ROWS=unpatched,sdpa,sage,peer:sage,sage_fp8_sm90,sage_fp8_sm90/no-nan-net,peer:sage_fp8_sm90,sparge,peer:sparge,auto
-# SD1.5/SDXL are host-bound at these sizes and this host is shared: every row timed 8x in turn, the minimum is the
-# estimate (contention only adds time); Flux-dev is GPU-bound: 3 rounds, median
+PAIRED_ROWS=unpatched,sdpa,sage,peer:sage,sage_fp8_sm90,peer:sage_fp8_sm90,auto
+# SD1.5/SDXL are host-bound at these sizes and this host is shared: every row timed 20x in turn; the minimum is one
+# estimate (contention only adds time), the paired per-round ratios with their intervals are the comparison;
+# Flux-dev is GPU-bound: 3 rounds, median
 stage_e2e-image() {
-  e2e e2e-image 400 --preset sd15 --preset sdxl --steps 5 --rounds 8 --stat min --rows "$IMAGE_ROWS" --png "$OUT/e2e-image.png"
+  e2e e2e-image 480 --preset sd15 --preset sdxl --steps 5 --rounds 20 --stat min --rows "$PAIRED_ROWS" --png "$OUT/e2e-image.png"
 }
 stage_e2e-flux() { e2e e2e-flux 300 --preset flux-dev --steps 10 --rounds 3 --rows "$IMAGE_ROWS"; }
 stage_e2e-image-all() { e2e e2e-image-all 560 --preset sd15 --preset sdxl --preset flux-dev --steps 8 --profile; }
 stage_e2e-wan() { e2e e2e-wan 560 --preset wan-1.3b --steps 4 --profile --rows "$MAIN_ROWS,sdpa_cudnn,sdpa_flash,sparge_topk,peer:sparge_topk"; }
 stage_e2e-wan14() { e2e e2e-wan14 580 --preset wan-14b --steps 3 --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,sparge,auto; }
-stage_e2e-compile-flux() { e2e e2e-compile-flux 570 --preset flux-dev --steps 4 --compile --rows unpatched,sage_fp8_sm90,peer:sage_fp8_sm90,auto; }
+stage_e2e-compile-flux() {
+  e2e e2e-compile-flux 570 --preset flux-dev --steps 4 --rounds 3 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
+}
 stage_e2e-compile() {
   e2e e2e-compile-flux 330 --preset flux-dev --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
   e2e e2e-compile-wan 300 --preset wan-1.3b --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
