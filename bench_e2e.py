@@ -46,6 +46,7 @@ def main(argv=None):
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="s/step over the rounds: median, or min (host-bound presets on a shared machine)")
     ap.add_argument("--compile", action="store_true", help="also run every row under torch.compile (inductor)")
+    ap.add_argument("--compile-only", action="store_true", help="only the rows under torch.compile")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile one step per row (top device kernels, in --json)")
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
@@ -64,7 +65,7 @@ def main(argv=None):
         sys.exit("bench_e2e: needs a CUDA GPU")
     presets = a.preset or list(e2e.PRESETS)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()] or e2e.default_rows(peers=not a.no_peers)
-    modes = [False, True] if a.compile else [False]
+    modes = [True] if a.compile_only else [False, True] if a.compile else [False]
     results = []
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": {p: e2e.PRESETS[p][6] for p in presets}}

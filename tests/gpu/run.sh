@@ -17,7 +17,8 @@
 #   e2e-image-all  the same, every row, one round, profiled
 #   e2e-wan        end-to-end benchmark, Wan 2.1 1.3B 480p/81f, every row, profiled
 #   e2e-wan14      end-to-end benchmark, Wan 2.1 14B, the main rows
-#   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux: Flux only)
+#   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux:
+#                  Flux, 6 rounds; e2e-compile-wan: Wan, compiled rows only, 2 rounds)
 #   install        install.py for real, its pinned sources served from .src by --mirror (clean state), then again
 #   install-manager  install.py as ComfyUI Manager runs it: no arguments, no terminal, no network
 #   hostcost       host time per attention call: ComfyUI's function, sdpa, each Sage kernel with/without the NaN net, peers
@@ -67,7 +68,10 @@ stage_e2e-image-all() { e2e e2e-image-all 560 --preset sd15 --preset sdxl --pres
 stage_e2e-wan() { e2e e2e-wan 560 --preset wan-1.3b --steps 4 --profile --rows "$MAIN_ROWS,sdpa_cudnn,sdpa_flash,sparge_topk,peer:sparge_topk"; }
 stage_e2e-wan14() { e2e e2e-wan14 580 --preset wan-14b --steps 3 --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,sparge,auto; }
 stage_e2e-compile-flux() {
-  e2e e2e-compile-flux 570 --preset flux-dev --steps 4 --rounds 3 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
+  e2e e2e-compile-flux 570 --preset flux-dev --steps 4 --rounds 6 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
+}
+stage_e2e-compile-wan() {
+  e2e e2e-compile-wan 560 --preset wan-1.3b --steps 4 --rounds 2 --compile-only --rows unpatched,sage_fp8_sm90,peer:sage_fp8_sm90,auto
 }
 stage_e2e-compile() {
   e2e e2e-compile-flux 330 --preset flux-dev --steps 4 --compile --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto
