@@ -124,21 +124,19 @@ def _sample(model, job: Job, steps: int, callback=None):
 
 
 def _timed_sample(model, job: Job):
-    """(latent, seconds per step, host CPU seconds per step): the median interval between the sampler's step callbacks
-    (device synced at each), so model loading and conditioning setup before the first step are not counted; the same
-    for this thread's CPU time (close to the wall time where the host is the bottleneck, and blind to time the thread
-    spent waiting for a CPU of a shared machine)."""
+    """(latent, seconds per step): the median interval between the sampler's step callbacks (device synced at each),
+    so model loading and conditioning setup before the first step are not counted."""
     marks = []
 
     def cb(*_):
         _sync()
-        marks.append((time.perf_counter(), time.thread_time()))
+        marks.append(time.perf_counter())
 
     _sync()
-    marks.append((time.perf_counter(), time.thread_time()))
+    marks.append(time.perf_counter())
     lat = _sample(model, job, job.steps, cb)
-    pairs = list(zip(marks[1:], marks[2:])) or list(zip(marks, marks[1:]))
-    return (lat, statistics.median(b[0] - a[0] for a, b in pairs), statistics.median(b[1] - a[1] for a, b in pairs))
+    steps = [b - a for a, b in zip(marks[1:], marks[2:])] or [b - a for a, b in zip(marks, marks[1:])]
+    return lat, statistics.median(steps)
 
 
 def median_ci(xs, conf: float = 0.95):
@@ -223,16 +221,14 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             log.warning("e2e %s %s: %s", job.label, row, r["error"])
         out_rows.append(r)
     times = {row: [] for row in models}
-    cpu = {row: [] for row in models}
     latents, peaks = {}, {}
     order = list(models.items())
     for rnd in range(rounds):
         for row, m in (order if rnd % 2 == 0 else order[::-1]):  # every other round reversed: no row always first
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            latents[row], dt, ct = _timed_sample(m, job)
+            latents[row], dt = _timed_sample(m, job)
             times[row].append(dt)
-            cpu[row].append(ct)
             if torch.cuda.is_available():
                 peaks[row] = max(peaks.get(row, 0.0), torch.cuda.max_memory_allocated() / 2**30)
     ref = latents.get(UNPATCHED)
@@ -243,7 +239,6 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["s_per_step"] = pick(times[row])
         r["stat"] = stat
         r["s_per_step_runs"] = [round(t, 5) for t in times[row]]
-        r["cpu_s_per_step"] = round(pick(cpu[row]), 5)
         if row in peaks:
             r["peak_gib"] = round(peaks[row], 2)
         r["finite"] = bool(torch.isfinite(lat).all())

@@ -317,7 +317,7 @@ def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pac
     by = {r["row"]: r for r in rows}
     for r in rows:
         med, lo, hi = r["paired"]["vs_unpatched"]
-        assert lo <= med <= hi and len(r["s_per_step_runs"]) == 3 and r["cpu_s_per_step"] > 0
+        assert lo <= med <= hi and len(r["s_per_step_runs"]) == 3
     assert by["unpatched"]["paired"]["vs_unpatched"] == [1.0, 1.0, 1.0]
     assert "vs_peer" in by["sdpa_math"]["paired"] and "vs_best" in by["auto"]["paired"]
     assert "vs_peer" not in by["auto"]["paired"]
