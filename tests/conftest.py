@@ -33,6 +33,22 @@ def sdpa_ref(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=
     return o.transpose(1, 2).reshape(o.shape[0], o.shape[2], -1)
 
 
+def smoothing_kernel(seen):
+    """SageAttention's smooth_k in miniature (a CPU stand-in kernel): subtracts K's mean over the sequence unless told
+    ``smooth_k=False``; records the options it got and the largest mean of the K it got."""
+    def fn(q, k, v, *, layout, mask, scale, opts):
+        seq = 2 if layout == "HND" else 1
+        seen.append({"opts": dict(opts), "k_mean": float(k.float().mean(dim=seq).abs().max())})
+        if opts.get("smooth_k", True):
+            k = k - k.mean(dim=seq, keepdim=True)
+        if layout == "NHD":
+            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
+        return o if layout == "HND" else o.transpose(1, 2)
+
+    return fn
+
+
 def cos_rel(a, b):
     from attention.auto import accuracy
 

@@ -5,6 +5,7 @@ per attention call shape."""
 import pytest
 import torch
 from comfyui_support import load_pack, sample, tiny_flux, tiny_sd
+from conftest import smoothing_kernel
 from test_comfyui_integration import patch, rel, stats_of
 
 pytestmark = pytest.mark.comfyui
@@ -96,30 +97,20 @@ def test_a_smooth_k_backend_gets_its_k_smoothed_in_the_graph(pack, dynamo, kind)
     mod, mappings = pack
     A = mod.attention
     seen = []
-
-    def smoothing(q, k, v, *, layout, mask, scale, opts):
-        seq = 2 if layout == "HND" else 1
-        seen.append((opts.get("smooth_k", True), float(k.float().mean(dim=seq).abs().max())))
-        if opts.get("smooth_k", True):
-            k = k - k.mean(dim=seq, keepdim=True)
-        if layout == "NHD":
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-        return o if layout == "HND" else o.transpose(1, 2)
-
-    A.REGISTRY.register(A.Backend(name="t_smooth", family="test", fn=smoothing, constraints=(), layouts=("HND", "NHD"),
-                                  layout_by_output=True, smooth_k=True, probe=lambda: A.Availability(True)))
+    A.REGISTRY.register(A.Backend(name="t_smooth", family="test", fn=smoothing_kernel(seen), constraints=(),
+                                  layouts=("HND", "NHD"), layout_by_output=True, smooth_k=True,
+                                  probe=lambda: A.Availability(True)))
     try:
         base = tiny_flux() if kind == "flux" else tiny_sd()
         eager = patch(mappings, base, "t_smooth")
         ref = sample(eager, kind, steps=2)
-        assert seen and all(smooth for smooth, _ in seen)  # eager: the kernel's wrapper smooths
+        assert seen and all("smooth_k" not in s["opts"] for s in seen)  # eager: the kernel's wrapper smooths
         seen.clear()
         compiled = eager.clone()
         set_torch_compile_wrapper(compiled, backend="inductor")
         out = sample(compiled, kind, steps=2)
         assert rel(out, ref) < 1e-4
-        assert seen and all(not smooth and k_mean < 1e-4 for smooth, k_mean in seen)  # done in the graph
+        assert seen and all(s["opts"] == {"smooth_k": False} and s["k_mean"] < 1e-4 for s in seen)  # done in the graph
         breaks, graphs = _compile_counts()
         assert breaks == 0 and graphs == 1
     finally:

@@ -4,7 +4,7 @@ import re
 
 import pytest
 import torch
-from conftest import capture, cos_rel, sdpa_ref
+from conftest import capture, cos_rel, sdpa_ref, smoothing_kernel
 
 from attention import REGISTRY, AttentionConfig, Backend, BackendUnavailableError, attention, use_backend
 from attention.constraints import DTypes, HeadDims, Masks
@@ -204,19 +204,8 @@ def test_a_layout_by_output_kernel_gets_the_layout_whose_output_needs_no_copy(te
 
 
 def _smoothing_backend(name, seen):
-    """SageAttention's smooth_k in miniature: subtracts K's mean over the sequence unless told smooth_k=False."""
-    def fn(q, k, v, *, layout, mask, scale, opts):
-        seq = 2 if layout == "HND" else 1
-        seen.append({"opts": dict(opts), "k_mean": float(k.float().mean(dim=seq).abs().max())})
-        if opts.get("smooth_k", True):
-            k = k - k.mean(dim=seq, keepdim=True)
-        if layout == "NHD":
-            q, k, v = (t.transpose(1, 2) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
-        return o if layout == "HND" else o.transpose(1, 2)
-
-    return Backend(name=name, family="test", fn=fn, constraints=(), layouts=("HND", "NHD"), smooth_k=True,
-                   probe=lambda: Availability(True, version="test"))
+    return Backend(name=name, family="test", fn=smoothing_kernel(seen), constraints=(), layouts=("HND", "NHD"),
+                   smooth_k=True, probe=lambda: Availability(True, version="test"))
 
 
 def test_a_k_smoothed_call_tells_smooth_k_backends_and_only_them(temp_backend):
