@@ -189,11 +189,15 @@ class AttentionOverride:
         hi, lo = self.sigma_range
         return lo <= s <= hi
 
+    def lossy_ran(self) -> bool:
+        """A lossy (quantized) kernel has run in this sampling run: only then can the NaN net find anything, and only
+        then do auto's re-checks apply. A run on exact kernels (`sdpa`, auto keeping SDPA) pays neither."""
+        return any(n in REGISTRY and REGISTRY.get(n).quantized for n in self.config.stats.calls)
+
     def rechecks_pending(self) -> bool:
         """``auto`` has run a lossy choice in this run, so its middle and last steps re-check those: only then does a
-        forward read its sigma for the phase (a device sync per forward). A run whose choices are all exact (SDPA on
-        image models) never syncs for it."""
-        return bool(self.check_sigmas) and any(n in REGISTRY and REGISTRY.get(n).quantized for n in self.config.stats.calls)
+        forward read its sigma for the phase (a device sync per forward)."""
+        return bool(self.check_sigmas) and self.lossy_ran()
 
     def phase_of(self, sigma):
         """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
@@ -487,7 +491,7 @@ class _ForwardWrapper(_Wrapper):
             bad = []
             if per_call:
                 bad = cfg.take_nonfinite()
-            elif ov.nan_net:
+            elif ov.nan_net and ov.lossy_ran():  # the output check reads a device flag: one sync per forward
                 flag = output_flag(out)
                 if flag is None:  # an output this check cannot read: per-call flags from now on
                     ov.hides_nan = True
