@@ -116,11 +116,17 @@ def plot(rows, path, meta):
     fig, axes = plt.subplots(len(presets), 1, figsize=(9, 0.32 * len(rows) + 1.5 * len(presets)), squeeze=False)
     for ax, p in zip(axes[:, 0], presets):
         rs = [r for r in rows if r["preset"] == p and "vs_unpatched" in r]
-        ax.barh([r["row"] for r in rs], [r["vs_unpatched"] for r in rs],
+        paired = all("paired" in r for r in rs)
+        # with rounds: the paired per-round median and its 95 % interval; else the ratio of the s/step statistic
+        vals = [r["paired"]["vs_unpatched"][0] if paired else r["vs_unpatched"] for r in rs]
+        err = [[v - r["paired"]["vs_unpatched"][1] for v, r in zip(vals, rs)],
+               [r["paired"]["vs_unpatched"][2] - v for v, r in zip(vals, rs)]] if paired else None
+        ax.barh([r["row"] for r in rs], vals, xerr=err, capsize=3,
                 color=["#888" if r["row"].startswith("unpatched") else "#c66" if r["row"].startswith("peer:") else "#369" for r in rs])
         ax.axvline(1.0, color="k", lw=0.8)
         ax.invert_yaxis()
-        ax.set_title(f"{p}: speed vs unpatched (higher is faster)", fontsize=9)
+        ax.set_title(f"{p}: speed vs unpatched (higher is faster)" +
+                     (", paired per round, median and 95 % interval" if paired else ""), fontsize=9)
         ax.tick_params(labelsize=7)
     fig.suptitle(f"{meta['gpu']} · torch {meta['torch']} · {meta['date']}", fontsize=9)
     fig.tight_layout()
