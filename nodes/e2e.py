@@ -153,7 +153,7 @@ def median_ci(xs, conf: float = 0.95):
             break
         lo = j + 1
     lo = min(lo, (n - 1) // 2)
-    return med, xs[max(lo - 1, 0)] if lo else xs[0], xs[n - lo] if lo else xs[-1]
+    return (med, xs[lo - 1], xs[n - lo]) if lo else (med, xs[0], xs[-1])
 
 
 def paired_ratio(ref_times, row_times, conf: float = 0.95):
