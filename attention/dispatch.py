@@ -308,9 +308,10 @@ def attention(
     """
     cfg = config if config is not None else AttentionConfig()
     key = None
-    if options is None and tag is None and scale is None and not cfg.record_time and not k_smoothed and _forced.get() is None:
+    if options is None and tag is None and scale is None and not cfg.record_time and _forced.get() is None:
+        # k_smoothed is in the key: the cached options then carry the smooth_k=False it implies
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, heads, skip_reshape,
-               None if mask is None else (mask.shape, mask.dtype, mask.device))
+               None if mask is None else (mask.shape, mask.dtype, mask.device), k_smoothed)
         hit = cfg._fast.get(key)
         if hit is not None:
             out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape)

@@ -221,8 +221,14 @@ def test_a_k_smoothed_call_tells_smooth_k_backends_and_only_them(temp_backend):
     ks = k - k.mean(dim=1, keepdim=True)
     out = attention(q, k, v, 2, config=AttentionConfig(backend="t_smooth"))
     assert "smooth_k" not in seen[-1]["opts"] and seen[-1]["k_mean"] > 1.0
-    out_s = attention(q, ks, v, 2, config=AttentionConfig(backend="t_smooth"), k_smoothed=True)
+    cfg = AttentionConfig(backend="t_smooth")
+    out_s = attention(q, ks, v, 2, config=cfg, k_smoothed=True)
     assert seen[-1]["opts"] == {"smooth_k": False} and seen[-1]["k_mean"] < 1e-5
+    # the per-shape fast path keeps it apart: a repeat gets smooth_k=False again, the same shape unsmoothed does not
+    attention(q, ks, v, 2, config=cfg, k_smoothed=True)
+    assert cfg._fast and seen[-1]["opts"] == {"smooth_k": False}
+    attention(q, k, v, 2, config=cfg)
+    assert "smooth_k" not in seen[-1]["opts"]
     call, _ = direct_call(AttentionConfig(backend="t_smooth"), "t_smooth", q, ks, v, 2, k_smoothed=True)
     out_l = call(q, ks, v, 0)
     assert seen[-1]["opts"] == {"smooth_k": False}
