@@ -21,7 +21,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .reference import reference_attention
+from .calls import REFERENCE, finite_flag, plan_for, run_backend
+from .reference import accuracy, reference_attention  # noqa: F401  (accuracy: re-exported)
 from .registry import REGISTRY
 
 log = logging.getLogger("patch_attention.auto")
@@ -40,18 +41,6 @@ def bucket(n: int) -> int:
         return 64
     e = 2 ** (int(math.log2(n)) - 2)
     return -(-n // e) * e
-
-
-def accuracy(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
-    """(cosine similarity, relative L1) of ``out`` against ``ref``; fp32 elementwise, sums in fp64 (an fp32
-    ``cosine_similarity`` over millions of elements drifts by 1e-4 and more, enough to fail a gate on its own)."""
-    o, r = out.float().flatten(), ref.float().flatten()
-    f64 = torch.float64
-    dot = (o * r).sum(dtype=f64)
-    norms = (o.square().sum(dtype=f64) * r.square().sum(dtype=f64)).sqrt().clamp_min(1e-30)
-    cos = (dot / norms).item()
-    rel = ((o - r).abs().sum(dtype=f64) / r.abs().sum(dtype=f64).clamp_min(1e-12)).item()
-    return cos, rel
 
 
 def signature(spec) -> str:
@@ -176,8 +165,6 @@ class AutoSelector:
     # ---- selection
     def candidates(self, spec) -> list[str]:
         """Backends that can take ``spec``, SDPA first (the baseline is always measured)."""
-        from .dispatch import REFERENCE, plan_for
-
         names = []
         for b in REGISTRY.backends():
             if b.name in self.exclude:
@@ -211,8 +198,6 @@ class AutoSelector:
         self.demoted[sig] = why
 
     def tune(self, cfg, q4, k4, v4, layout, mask4, spec, scale):
-        from .dispatch import finite_flag, plan_for, run_backend
-
         names = self.candidates(spec)
         t_start = time.perf_counter()
         with torch.no_grad():

@@ -97,7 +97,7 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
         direct = None
         spec_ok = True
         try:
-            from .dispatch import make_spec, plan_for
+            from .calls import make_spec, plan_for
 
             spec = make_spec(q, k, v, "HND", None)
             target, reason = plan_for(backend, spec)

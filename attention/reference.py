@@ -30,3 +30,15 @@ def reference_attention(q, k, v, mask=None, scale=None, budget_bytes: float = 2e
             m = mask if mask.shape[-2] == 1 else mask[..., s : s + chunk, :]
         out[:, :, s : s + chunk] = F.scaled_dot_product_attention(q[:, :, s : s + chunk], k, v, attn_mask=m, scale=scale, **gqa)
     return out
+
+
+def accuracy(out: torch.Tensor, ref: torch.Tensor) -> tuple[float, float]:
+    """(cosine similarity, relative L1) of ``out`` against ``ref``; fp32 elementwise, sums in fp64 (an fp32
+    ``cosine_similarity`` over millions of elements drifts by 1e-4 and more, enough to fail a gate on its own)."""
+    o, r = out.float().flatten(), ref.float().flatten()
+    f64 = torch.float64
+    dot = (o * r).sum(dtype=f64)
+    norms = (o.square().sum(dtype=f64) * r.square().sum(dtype=f64)).sqrt().clamp_min(1e-30)
+    cos = (dot / norms).item()
+    rel = ((o - r).abs().sum(dtype=f64) / r.abs().sum(dtype=f64).clamp_min(1e-12)).item()
+    return cos, rel

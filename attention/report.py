@@ -29,7 +29,7 @@ def environment() -> dict:
 
 def report_rows(device: torch.device | None = None) -> list[dict]:
     """One row per backend: installed?, version, can run on ``device`` (default: GPU 0 or CPU), why not."""
-    from .dispatch import make_spec
+    from .calls import make_spec
 
     if device is None:
         device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")

@@ -100,8 +100,8 @@ class SpargeTuner:
 def tuning_attention(tuner: SpargeTuner, layer: int, q, k, v, heads, mask=None, *, skip_reshape=False,
                      skip_output_reshape=False, stats=None):
     """One attention call of a tuning run: returns dense attention; measures the candidates when SpargeAttn can take it."""
-    from .auto import accuracy
-    from .dispatch import finish, plan_for, prepare, run_backend
+    from .calls import finish, plan_for, prepare, run_backend
+    from .reference import accuracy
     from .registry import REGISTRY
 
     q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape)

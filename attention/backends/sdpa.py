@@ -1,52 +1,68 @@
-"""PyTorch scaled_dot_product_attention, and each of its sub-backends forced."""
+"""PyTorch scaled_dot_product_attention, and each of its kernels called directly.
+
+Nothing here touches PyTorch's process-wide SDPA switches (``sdpa_kernel``, ``enable_*_sdp``, the priority order).
+ComfyUI samples conds on several GPUs in threads (MultiGPU CFG Split), and such a switch made by one thread is seen by
+every other SDPA call in the process while it lasts -- or for good, when two threads leave their contexts in the
+wrong order.  ``sdpa`` lets PyTorch choose its kernel as it does for the unpatched model; each forced entry calls the
+ATen op of one kernel, which needs no switch.  Those ops skip SDPA's front end, so what the front end would do for
+them is done here: a boolean mask becomes an additive one, and the memory-efficient kernel gets its bias aligned and
+expanded.
+"""
 
 from __future__ import annotations
 
-import inspect
-
 import torch
 import torch.nn.functional as F
-from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, MinSeqLen
 from ..registry import REGISTRY, Availability, Backend
 
 HALF = (torch.float16, torch.bfloat16)
 ALL = (torch.float32, torch.float16, torch.bfloat16)
-
-
-def _run(q, k, v, *, mask, scale, gqa):
-    kw = {"enable_gqa": True} if gqa else {}
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=False, scale=scale, **kw)
-
-
-# ComfyUI's own attention (comfy.ops.scaled_dot_product_attention) pins this kernel priority on CUDA; PyTorch's
-# default order puts FlashAttention-2 first.  `sdpa` follows the host, so it runs what an unpatched model runs.
-HOST_PRIORITY = [getattr(SDPBackend, n) for n in ("CUDNN_ATTENTION", "FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH")
-                 if hasattr(SDPBackend, n)]
-_SET_PRIORITY = "set_priority" in inspect.signature(sdpa_kernel).parameters  # torch >= 2.6
+aten = torch.ops.aten
 
 
 def sdpa(q, k, v, *, layout, mask, scale, opts):
-    gqa = q.shape[1] != k.shape[1]
-    if q.is_cuda and _SET_PRIORITY:
-        with sdpa_kernel(HOST_PRIORITY, set_priority=True):
-            return _run(q, k, v, mask=mask, scale=scale, gqa=gqa)
-    return _run(q, k, v, mask=mask, scale=scale, gqa=gqa)
+    if q.shape[1] != k.shape[1]:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=True)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
 
 
-def _forced(kernel: SDPBackend):
-    def fn(q, k, v, *, layout, mask, scale, opts):
-        with sdpa_kernel([kernel]):
-            return _run(q, k, v, mask=mask, scale=scale, gqa=q.shape[1] != k.shape[1])
+def additive(mask, dtype):
+    """A boolean mask (True: attend) as the additive float mask the kernels' ops take; a float mask as is."""
+    if mask is None or mask.dtype != torch.bool:
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
 
-    return fn
+
+def _flash(q, k, v, *, layout, mask, scale, opts):
+    return aten._scaled_dot_product_flash_attention(q, k, v, 0.0, False, False, scale=scale)[0]
 
 
-def _probe(kernel_name: str):
+def _cudnn(q, k, v, *, layout, mask, scale, opts):
+    return aten._scaled_dot_product_cudnn_attention(q, k, v, None, False, 0.0, False, False, scale=scale)[0]
+
+
+def _efficient(q, k, v, *, layout, mask, scale, opts):
+    bias = additive(mask, q.dtype)
+    if bias is not None:
+        # SDPA's front end: the kernel reads the bias in rows aligned to 8 elements, expanded to [B, H, Nq, Nk]
+        nk = bias.shape[-1]
+        if nk % 8:
+            bias = F.pad(bias, (0, 8 - nk % 8))[..., :nk]
+        bias = bias.expand(q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    return aten._scaled_dot_product_efficient_attention(q, k, v, bias, False, 0.0, False, scale=scale)[0]
+
+
+def _math(q, k, v, *, layout, mask, scale, opts):
+    return aten._scaled_dot_product_attention_math(q, k, v, additive(mask, q.dtype), 0.0, False, None, scale=scale,
+                                                   enable_gqa=q.shape[1] != k.shape[1])[0]
+
+
+def _probe(op: str):
     def probe():
-        if not hasattr(SDPBackend, kernel_name):
-            return Availability(False, f"torch {torch.__version__} has no SDPBackend.{kernel_name}")
+        if not hasattr(aten, op):
+            return Availability(False, f"torch {torch.__version__} has no aten.{op}")
         return Availability(True, version=torch.__version__)
 
     return probe
@@ -64,7 +80,7 @@ REGISTRY.register(
         constraints=(DTypes(ALL), Masks(("bool", "float")), GroupedQuery(True)),
         layouts=("HND",),
         probe=_torch_probe,
-        description="PyTorch SDPA with ComfyUI's kernel priority (cuDNN, flash, efficient, math): the reference and last fallback",
+        description="PyTorch SDPA, its own kernel choice (as for the unpatched model): the reference and last fallback",
     )
 )
 
@@ -72,7 +88,7 @@ REGISTRY.register(
     Backend(
         name="sdpa_flash",
         family="sdpa",
-        fn=_forced(SDPBackend.FLASH_ATTENTION),
+        fn=_flash,
         constraints=(
             DeviceTypes(("cuda",)),
             ComputeCapability(min=(8, 0)),
@@ -81,8 +97,8 @@ REGISTRY.register(
             Masks(()),
             GroupedQuery(True),
         ),
-        probe=_probe("FLASH_ATTENTION"),
-        description="SDPA forced to its FlashAttention-2 kernel",
+        probe=_probe("_scaled_dot_product_flash_attention"),
+        description="SDPA's FlashAttention-2 kernel (its ATen op)",
     )
 )
 
@@ -90,7 +106,7 @@ REGISTRY.register(
     Backend(
         name="sdpa_cudnn",
         family="sdpa",
-        fn=_forced(getattr(SDPBackend, "CUDNN_ATTENTION", SDPBackend.MATH)),
+        fn=_cudnn,
         constraints=(
             DeviceTypes(("cuda",)),
             ComputeCapability(min=(8, 0)),
@@ -100,8 +116,8 @@ REGISTRY.register(
             GroupedQuery(False),
             MinSeqLen(kv=2),  # H100, torch 2.11: "No available kernel" for a single key
         ),
-        probe=_probe("CUDNN_ATTENTION"),
-        description="SDPA forced to its cuDNN kernel",
+        probe=_probe("_scaled_dot_product_cudnn_attention"),
+        description="SDPA's cuDNN kernel (its ATen op)",
     )
 )
 
@@ -109,7 +125,7 @@ REGISTRY.register(
     Backend(
         name="sdpa_efficient",
         family="sdpa",
-        fn=_forced(SDPBackend.EFFICIENT_ATTENTION),
+        fn=_efficient,
         constraints=(
             DeviceTypes(("cuda",)),
             DTypes(ALL),
@@ -117,8 +133,8 @@ REGISTRY.register(
             Masks(("bool", "float")),
             GroupedQuery(False),  # H100, torch 2.11: "No available kernel" with enable_gqa (contract matrix)
         ),
-        probe=_probe("EFFICIENT_ATTENTION"),
-        description="SDPA forced to its memory-efficient (xformers-style) kernel",
+        probe=_probe("_scaled_dot_product_efficient_attention"),
+        description="SDPA's memory-efficient (xformers-style) kernel (its ATen op)",
     )
 )
 
@@ -126,9 +142,9 @@ REGISTRY.register(
     Backend(
         name="sdpa_math",
         family="sdpa",
-        fn=_forced(SDPBackend.MATH),
+        fn=_math,
         constraints=(DTypes(ALL), Masks(("bool", "float")), GroupedQuery(True)),
-        probe=_probe("MATH"),
-        description="SDPA forced to its unfused math kernel (slow, exact)",
+        probe=_probe("_scaled_dot_product_attention_math"),
+        description="SDPA's unfused math kernel (slow, exact; its ATen op)",
     )
 )
