@@ -15,6 +15,7 @@ import logging
 import math
 import os
 import statistics
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -50,6 +51,8 @@ def signature(spec) -> str:
         f"/D{spec.head_dim}/Dv{spec.v_head_dim}/Nq{bucket(spec.q_len)}/Nk{bucket(spec.kv_len)}/mask={spec.mask}"
     )
 
+
+_FILE_LOCK = threading.Lock()  # the decisions file is read, merged and written by every sampling thread's selector
 
 RULE_VERSION = 2  # 2: a candidate must beat sdpa by AutoSelector.margin (decisions made by rule 1 are re-tuned)
 
@@ -148,6 +151,10 @@ class AutoSelector:
     def _save(self):
         if not self.cache_path:
             return
+        with _FILE_LOCK:
+            self._save_locked()
+
+    def _save_locked(self):
         try:
             data = {}
             if os.path.exists(self.cache_path):

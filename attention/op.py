@@ -13,8 +13,8 @@ the model wants, fused with whatever reads it), and a backend's declared input w
 over the sequence subtracted in the graph, fused with the ops that produce K, instead of eagerly inside the op).
 
 The op cannot take Python objects, so the caller registers its handler (``register``) and passes the returned
-integer; the handler gets ``(q, k, v, mask, heads, skip_reshape, precise, k_smoothed)`` and returns what ComfyUI's
-attention returns for ``skip_output_reshape=False``: ``[B, N, H*Dv]``.
+integer; the handler gets ``(q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale, enable_gqa)`` and returns
+what ComfyUI's attention returns for ``skip_output_reshape=False``: ``[B, N, H*Dv]``.
 """
 
 from __future__ import annotations
@@ -37,31 +37,33 @@ def register(handler_owner) -> int:
 
 @torch.library.custom_op("patch_attention::attention", mutates_args=())
 def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, heads: int,
-                 skip_reshape: bool, handle: int, precise: bool, k_smoothed: bool) -> torch.Tensor:
+                 skip_reshape: bool, handle: int, precise: bool, k_smoothed: bool, scale: float | None = None,
+                 enable_gqa: bool = False) -> torch.Tensor:
     owner = _handlers.get(handle)
     if owner is None:
         raise RuntimeError(f"patch_attention::attention: handle {handle} belongs to no live patched model")
-    out = owner.op_call(q, k, v, mask, heads, skip_reshape, precise, k_smoothed)  # [B, N, H*Dv]
+    out = owner.op_call(q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale, enable_gqa)  # [B, N, H*Dv]
     # the fake implementation promises a contiguous [B, N, H, Dv]: a free view for every kernel that wrote NHD
     return out.unflatten(-1, (q.shape[1] if skip_reshape else heads, -1)).contiguous()
 
 
 @attention_op.register_fake
-def _(q, k, v, mask, heads, skip_reshape, handle, precise, k_smoothed):
+def _(q, k, v, mask, heads, skip_reshape, handle, precise, k_smoothed, scale=None, enable_gqa=False):
     if skip_reshape:  # [B, H, N, D]
         b, h, n = q.shape[0], q.shape[1], q.shape[2]
         dv = v.shape[-1]
-    else:  # [B, N, H*D]
+    else:  # [B, N, H*D]; K/V with k width / D heads (fewer than Q's under enable_gqa)
         b, n = q.shape[0], q.shape[1]
         h = heads
-        dv = v.shape[-1] // heads
+        dv = v.shape[-1] // (k.shape[-1] // (q.shape[-1] // heads))
     return q.new_empty((b, n, h, dv))
 
 
-def traced_call(q, k, v, mask, heads, skip_reshape, skip_output_reshape, handle, precise, smooth_k):
+def traced_call(q, k, v, mask, heads, skip_reshape, skip_output_reshape, handle, precise, smooth_k, scale=None,
+                enable_gqa=False):
     """The attention call in a compiled graph: ``smooth_k`` (a ``Backend.smooth_k`` backend, no mask, no precision
     request) subtracts K's mean over the sequence here, then the op, then the reshape ComfyUI's convention asks for."""
     if smooth_k:
         k = k - k.mean(dim=2 if skip_reshape else 1, keepdim=True)
-    out = attention_op(q, k, v, mask, heads, skip_reshape, handle, precise, smooth_k)
+    out = attention_op(q, k, v, mask, heads, skip_reshape, handle, precise, smooth_k, scale, enable_gqa)
     return out.transpose(1, 2) if skip_output_reshape else out.flatten(2)

@@ -62,6 +62,21 @@ class Stats:
     def total_fallbacks(self) -> int:
         return sum(self.fallbacks.values())
 
+    @classmethod
+    def merged(cls, parts: list[Stats]) -> Stats:
+        """One Stats holding the sums of ``parts`` (the lanes of several devices), read at report time."""
+        out = cls()
+        for p in parts:
+            for name, ms in p.time_ms().items():
+                out._cpu_time[name] += ms / 1000.0
+            out.calls.update(p.calls)
+            out.fallbacks.update(p.fallbacks)
+            out.errors.update(p.errors)
+            for key, vals in p.metrics.items():
+                out.metrics[key].extend(vals)
+            out.decisions.update(p.decisions)
+        return out
+
     def reset(self) -> None:
         self.time_ms()
         self.calls.clear()

@@ -171,7 +171,7 @@ def kernels_that_ran(model) -> str:
     ov = override_of(model)
     if ov is None:
         return ""
-    calls = ov.config.stats.calls
+    calls = ov.stats.calls
     total = sum(calls.values()) or 1
     return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
 
@@ -247,8 +247,9 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             r["profile"] = profile_step(m, job)
         r["kernels"] = kernels_that_ran(m) or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
         ov = override_of(m)
-        if ov is not None and ov.config.stats.decisions:
-            r["auto"] = "; ".join(sorted(set(str(v).split(" [")[0] for v in ov.config.stats.decisions.values())))
+        decisions = ov.stats.decisions if ov is not None else {}
+        if decisions:
+            r["auto"] = "; ".join(sorted(set(str(v).split(" [")[0] for v in decisions.values())))
         if progress is not None:
             progress(r)
     models.clear()

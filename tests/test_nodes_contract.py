@@ -132,7 +132,7 @@ def test_nonfinite_layers_are_redone_dense_with_one_check_per_forward(temp_backe
                                 quantized=True))
     cfg = A.AttentionConfig(backend="t_nanq", check_finite="deferred")
     ov = patch.AttentionOverride(cfg)
-    wrapper = patch._ForwardWrapper(ov)
+    wrapper = patch.ForwardWrapper(ov)
     q8 = torch.randn(1, 32, 2 * 8)
     q16 = torch.randn(1, 32, 2 * 16)
     forwards = []

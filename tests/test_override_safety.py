@@ -11,6 +11,7 @@ from pack import load
 P = load()
 A = P.attention
 patch = P.nodes.patch
+nan_net = P.nodes.nan_net
 
 
 @pytest.fixture
@@ -121,8 +122,8 @@ def test_an_accurate_lossy_kernel_is_audited_silently(backends):
 def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends, monkeypatch):
     drift = {"on": False}
     reads = []
-    real = patch._as_float
-    monkeypatch.setattr(patch, "_as_float", lambda s: reads.append(s) or real(s))
+    real = nan_net.as_float
+    monkeypatch.setattr(nan_net, "as_float", lambda s: reads.append(s) or real(s))
 
     def drifting(q, k, v, *, layout, mask, scale, opts):
         o = _sdpa(q, k, v, scale)
@@ -133,7 +134,7 @@ def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(ba
                          exclude={n for n in A.REGISTRY.names() if n not in ("sdpa", "t_drift")})
     cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
     ov = patch.AttentionOverride(cfg)
-    fw, sw = patch._ForwardWrapper(ov), patch._SampleWrapper(ov)
+    fw, sw = patch.ForwardWrapper(ov), patch.SampleWrapper(ov)
     q, k, v = _qkv()
     sigmas = torch.tensor([10.0, 7.0, 4.0, 2.0, 0.0])  # steps at 10, 7, 4, 2: mid = 4, last = 2
     seen = []
@@ -164,7 +165,7 @@ def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(ba
 
 def _forwards(ov, func, calls, n):
     """``n`` model forwards through the APPLY_MODEL wrapper, each making ``calls`` = [(q, k, v, heads, kwargs)]."""
-    fw = patch._ForwardWrapper(ov)
+    fw = patch.ForwardWrapper(ov)
     outs = []
     for step in range(n):
         def forward(x, t):
@@ -194,7 +195,7 @@ def test_lean_path_gives_the_full_paths_result_and_counts(backends):
     for x, y in zip(a, b):
         for o1, o2 in zip(x, y):
             assert torch.equal(o1, o2)
-    assert len(lean._lean) == 3 and all(callable(e) for e in lean._lean.values())
+    assert len(lean.lane().lean) == 3 and all(callable(e) for e in lean.lane().lean.values())
     assert lean.config.stats.calls == full.config.stats.calls == {"t_q8": 12}
     assert set(seen) == {"NHD", "HND"}  # each call in its own layout, no transpose on the lean path
     # a backend that takes only HND gets NHD calls as transposed views on the lean path too, with the full path's result
@@ -206,7 +207,7 @@ def test_lean_path_gives_the_full_paths_result_and_counts(backends):
     for x, y in zip(_forwards(hnd, None, calls, 3), _forwards(hnd_full, None, calls, 3)):
         for o1, o2 in zip(x, y):
             assert torch.equal(o1, o2)
-    assert len(hnd._lean) == 3 and all(callable(e) for e in hnd._lean.values()) and set(hnd_layouts) == {"HND"}
+    assert len(hnd.lane().lean) == 3 and all(callable(e) for e in hnd.lane().lean.values()) and set(hnd_layouts) == {"HND"}
 
 
 def test_nan_on_the_lean_path_is_caught_and_the_layer_goes_dense(backends):
@@ -225,7 +226,7 @@ def test_nan_on_the_lean_path_is_caught_and_the_layer_goes_dense(backends):
     assert all(torch.isfinite(o).all() for x in outs for o in x)
     for (q, k, v, h, _), o in zip(calls, outs[-1]):
         assert cos_rel(o, sdpa_ref(q, k, v, h))[1] < 1e-5
-    assert len(ov._lean) == 2 and ov.nonfinite_layers == {0, 1} and host_calls  # lean, NaN, redone, then dense
+    assert len(ov.lane().lean) == 2 and ov.nonfinite_layers == {0, 1} and host_calls  # lean, NaN, redone, then dense
     assert ov.config.stats.fallbacks[("t_flaky", "sdpa", "non-finite output (forward redone)")] == 2
 
 
@@ -255,7 +256,7 @@ def test_masked_and_precision_calls_never_take_the_lean_path(backends, kw):
         kw = {"mask": torch.zeros(32, 32)}
     ov = patch.AttentionOverride(A.AttentionConfig(backend="t_q8b", check_finite="deferred"), audit=False)
     _forwards(ov, None, [(q, k, v, 2, kw)], 3)
-    assert not ov._lean
+    assert not ov.lane().lean
 
 
 def test_nan_net_checks_calls_on_the_first_forward_then_the_output(backends, monkeypatch):
@@ -277,7 +278,7 @@ def test_nan_net_checks_calls_on_the_first_forward_then_the_output(backends, mon
     cfg = A.AttentionConfig(backend="t_flaky2", check_finite="deferred")
     ov = patch.AttentionOverride(cfg, audit=False)
     ov.hides_nan = False  # a model whose code does not sanitize NaN (see model_hides_nan)
-    fw = patch._ForwardWrapper(ov)
+    fw = patch.ForwardWrapper(ov)
     outs = []
     for step in range(4):
         def forward(x, t):
@@ -299,8 +300,8 @@ def test_nan_net_leaves_forwards_of_exact_kernels_alone(backends, monkeypatch):
     """Only a lossy kernel can put NaN where the unpatched model had none: on exact kernels (`sdpa`, auto keeping SDPA)
     no forward's output is checked, so no forward waits for the device (on SD1.5 that wait was ~3 % of a step)."""
     checked = []
-    real = patch.output_flag
-    monkeypatch.setattr(patch, "output_flag", lambda out: checked.append(1) or real(out))
+    real = nan_net.output_flag
+    monkeypatch.setattr(nan_net, "output_flag", lambda out: checked.append(1) or real(out))
     backends("t_exact", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, scale), accuracy="exact")
     backends("t_lossy", lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, scale))
     func, _ = host_attention_pytorch()
@@ -308,7 +309,7 @@ def test_nan_net_leaves_forwards_of_exact_kernels_alone(backends, monkeypatch):
         checked.clear()
         ov = patch.AttentionOverride(A.AttentionConfig(backend=name, check_finite="deferred"), audit=False)
         ov.hides_nan = False
-        fw, (q, k, v) = patch._ForwardWrapper(ov), _qkv()
+        fw, (q, k, v) = patch.ForwardWrapper(ov), _qkv()
         forward = lambda x, t, ov=ov, q=q, k=k, v=v: ov(func, q, k, v, 2, transformer_options={})  # noqa: E731
         for step in range(4):
             fw(forward, None, torch.tensor([float(10 - step)]))
@@ -327,13 +328,13 @@ def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(b
     """auto's exact choices need no re-check: at the middle and last step they keep the lean path (ComfyUI's own
     function for SDPA) instead of the dispatcher's, and no forward reads its sigma (a device sync) for the phase."""
     reads = []
-    real = patch._as_float
-    monkeypatch.setattr(patch, "_as_float", lambda s: reads.append(s) or real(s))
+    real = nan_net.as_float
+    monkeypatch.setattr(nan_net, "as_float", lambda s: reads.append(s) or real(s))
     sel = A.AutoSelector(timer=lambda name, fn, dev: {"sdpa": 1.0}.get(name, 9.0),
                          exclude={n for n in A.REGISTRY.names() if n != "sdpa"})
     cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
     ov = patch.AttentionOverride(cfg)
-    fw, sw = patch._ForwardWrapper(ov), patch._SampleWrapper(ov)
+    fw, sw = patch.ForwardWrapper(ov), patch.SampleWrapper(ov)
     func, host_calls = host_attention_pytorch()
     q, k, v = _qkv()
     sigmas = torch.tensor([10.0, 7.0, 4.0, 2.0, 0.0])

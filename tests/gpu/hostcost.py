@@ -85,12 +85,12 @@ def make_row(row, func, q, k, v, heads):
 
     def start():
         if ov is not None:
-            ov.active, ov.config.in_forward = True, True
-            ov.start_forward()
+            ln = ov.lane()
+            ln.active, ln.layer, ln.config.in_forward = True, 0, True
 
     def end():
         if ov is not None:
-            bad = ov.config.take_nonfinite()
+            bad = ov.lane().config.take_nonfinite()
             assert not bad, bad
 
     return call, start, end, ov

@@ -1,0 +1,140 @@
+"""The NaN net and the per-forward bookkeeping, in the APPLY_MODEL wrapper around each model forward.
+
+Quantized kernels can return NaN where dense attention does not (SageAttention does when every key is equal, as a
+zeroed negative prompt gives).  The net: on the first forward of a run (and on every forward of a model whose code
+turns NaN into numbers, where the output would no longer show it), each quantized call leaves a finite flag on the
+device and the forward reads them all with one sync; on later forwards only the forward's output is checked (one
+reduction instead of one per attention call: on host-bound models per-call flags cost more than 2 % of a step).  A
+non-finite output is recomputed with per-call flags to find the layers; those run dense for the rest of the run (on
+every device: a layer found on one GPU is dense on the others from their next forward) and the forward is computed
+again.  A run on exact kernels only is never checked: nothing there can put NaN where the unpatched model had none.
+
+The wrapper also starts each forward of its sampling thread's lane: the layer counter back to 0, the step schedule and
+``auto``'s re-check phase read once per forward rather than per attention call.  It wraps ComfyUI's torch.compile
+wrapper from outside, so it runs eagerly in compiled models too.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import torch
+
+from ..attention.calls import finite_flag
+
+log = logging.getLogger("patch_attention.nodes")
+
+
+def as_float(sig):
+    """A sigma (tensor, number or None) as a float; one device sync for a device tensor."""
+    if sig is None or isinstance(sig, float):
+        return sig
+    try:
+        return float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
+    except Exception:
+        return None
+
+
+def output_flag(out):
+    """A 0-d device tensor, finite exactly when the forward's output is (NaN in any attention output reaches it), or
+    None for an output that is not one tensor."""
+    return finite_flag(out) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
+
+
+class ForwardWrapper:
+    """APPLY_MODEL wrapper bound to one override; shared, not copied, when model options are deep-copied (every
+    device's clone of a MultiGPU split runs the same one, each in its own lane)."""
+
+    def __init__(self, override):
+        self.override = override
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __call__(self, executor, *args, **kwargs):
+        ov = self.override
+        x = args[0] if args else kwargs.get("x")
+        ln = ov.lane(x.device if isinstance(x, torch.Tensor) else None)
+        cfg = ln.config
+        sigma = args[1] if len(args) > 1 else kwargs.get("t")
+        recheck = ov.rechecks_pending(ln)
+        if ov.sigma_range is not None or recheck:
+            sigma = as_float(sigma)  # read once for both uses below: one sync per forward
+        ln.active = ov.in_range(sigma) if ov.sigma_range is not None else True
+        ln.check_phase = ov.phase_of(sigma) if recheck else None
+        ln.layer = 0
+        per_call = False
+        if ov.nan_net:
+            if ov.hides_nan is None:
+                ov.hides_nan = model_hides_nan(getattr(executor, "class_obj", None))
+            per_call = ln.first_forward or ov.hides_nan
+            cfg.check_finite = "deferred" if per_call else False
+        cfg.in_forward = True
+        try:
+            out = executor(*args, **kwargs)
+            bad = []
+            if per_call:
+                bad = cfg.take_nonfinite()
+            elif ov.nan_net and ov.lossy_ran(ln):  # the output check reads a device flag: one sync per forward
+                flag = output_flag(out)
+                if flag is None:  # an output this check cannot read: per-call flags from now on
+                    ov.hides_nan = True
+                elif not bool(flag.isfinite()):
+                    cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
+                    ln.layer = 0
+                    out = executor(*args, **kwargs)
+                    bad = cfg.take_nonfinite()
+            if bad:
+                # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
+                # sampling run, and the forward is computed again.
+                ov.mark_nonfinite(bad, ln)
+                ln.layer = 0
+                out = executor(*args, **kwargs)
+                cfg.take_nonfinite()
+            ln.first_forward = False
+        finally:
+            cfg.in_forward = False
+            if ov.nan_net:
+                cfg.check_finite = "deferred"  # outside a forward: checked at once
+            ln.active = None
+            ln.check_phase = None
+        return out
+
+
+_hides_nan_cache = {}
+
+
+def model_hides_nan(base_model) -> bool:
+    """Whether the diffusion model's code (its package's loaded modules) calls nan_to_num: NaN from an attention
+    kernel could then be gone from the forward's output, so that model keeps per-call flags. Unknown: True."""
+    dm = getattr(base_model, "diffusion_model", None)
+    if dm is None:
+        return True
+    cls = type(dm)
+    if cls in _hides_nan_cache:
+        return _hides_nan_cache[cls]
+    pkg = cls.__module__.rsplit(".", 1)[0] if "." in cls.__module__ else cls.__module__
+    hides = False
+    try:
+        for name, mod in list(sys.modules.items()):
+            path = getattr(mod, "__file__", None)
+            if path and path.endswith(".py") and (name == pkg or name.startswith(pkg + ".")):
+                with open(path, encoding="utf-8", errors="replace") as f:
+                    if "nan_to_num" in f.read():
+                        hides = True
+                        break
+    except OSError:
+        hides = True
+    _hides_nan_cache[cls] = hides
+    return hides
+
+
+_warned_nonfinite = set()
+
+
+def warn_nonfinite(name, layer):
+    if (name, layer) not in _warned_nonfinite:
+        _warned_nonfinite.add((name, layer))
+        log.warning("%s returned NaN/inf at attention layer %d (SageAttention does so when all keys are equal, "
+                    "e.g. a zeroed prompt); that layer runs on SDPA for the rest of this run", name, layer)

@@ -1,0 +1,383 @@
+"""The attention override a patched model carries: what ComfyUI calls for every attention call of the model.
+
+It knows nothing of kernels: it reads the sampling state (the step schedule, which attention layer of the forward
+this is) and hands the call to ``attention.dispatch``, or back to ComfyUI's own function where Patch Attention runs
+dense attention.  Where each concern lives:
+
+- the hook's calling convention and ComfyUI's functions: :mod:`.hook`;
+- the per-shape hot path: :mod:`.lean`;
+- the NaN net and the per-forward bookkeeping: :mod:`.nan_net`;
+- the audit and ``auto``'s re-check: :mod:`.recheck`;
+- composition with other overrides on the same hook: :mod:`.compose`.
+
+**Lanes.** ComfyUI samples a model's conds on several GPUs at once, one thread per GPU (MultiGPU CFG Split), all
+through this one object (model options are deep-copied, the override is shared).  Everything a call changes lives in
+its sampling thread's *lane*, one per (device, thread): the layer counter and the forward's state, the dispatcher's
+config (statistics, per-shape plans, deferred NaN flags), ``auto``'s choices and the lean entries.  A lane whose
+thread has ended is taken over by the next thread on its device (ComfyUI starts new worker threads for each run).
+What lanes share is read-only during a run, or changed under the override's lock (the layers the NaN net sent to
+dense, which then run dense on every device, as they would in one batch on one GPU).  Statistics are merged over the
+lanes for the report.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+
+import torch
+
+from ..attention import REGISTRY, AttentionConfig, attention, op
+from ..attention.dispatch import error_vs_reference
+from ..attention.stats import Stats
+from . import lean, nan_net, recheck
+from .hook import HOST, PREVIOUS, bind, explain_failure, host_function, is_host_exact, same_heads, take, wants_full_precision
+
+log = logging.getLogger("patch_attention.nodes")
+
+
+def in_ranges(i: int, ranges) -> bool:
+    return any(lo <= i and (hi is None or i <= hi) for lo, hi in ranges)
+
+
+class Lane:
+    """What the calls of one sampling thread on one device change (see the module's docstring)."""
+
+    def __init__(self, config: AttentionConfig, device, thread: int):
+        self.config = config
+        self.dense = AttentionConfig(backend="sdpa", stats=config.stats, check_finite=False)
+        self.calls = config.stats.calls  # the Counter itself (reset clears it in place): one lookup on the hot path
+        self.device = device
+        self.thread = thread
+        self.layer = 0  # attention call index within the current model forward
+        self.active = None  # step schedule for the current forward (None: not in a forward, read sigma per call)
+        self.check_phase = None  # "mid"/"last": this forward re-checks auto's lossy choices against dense
+        self.first_forward = True
+        self.lean = {}  # call key -> entry(func, args, kwargs, layer), or False: this shape takes the full path
+        self.host = ()  # ComfyUI's exact attention function once seen (the hot path compares identity)
+        self.audited = set()  # call kinds whose first call was compared with dense
+        self.checked = set()  # (phase, signature) re-checked this run
+        self.layer_calls = {}
+        self.dense_cache = {}  # layer -> in dense_layers
+
+    def start_run(self) -> None:
+        cfg = self.config
+        cfg.stats.reset()
+        cfg.take_nonfinite()
+        self.layer_calls = {}
+        self.checked = set()
+        self.lean.clear()
+        self.first_forward = True
+        if cfg.auto is not None:
+            cfg.auto.demoted.clear()
+            cfg._fast.clear()
+
+
+class AttentionOverride:
+    """What a patched clone stores in ``transformer_options['optimized_attention_override']``.
+
+    Shared (not copied) when ComfyUI deep-copies model options, so statistics and ``auto`` decisions survive
+    ``ModelPatcher.clone()``, sampling and the per-GPU clones of a MultiGPU split.
+
+    Eager calls run here; under ``torch.compile`` the call becomes the custom op ``patch_attention::attention``
+    (:mod:`attention.op`), whose real implementation comes back to :meth:`op_call`, so tuning, statistics and NaN
+    bookkeeping never run in traced code.
+    """
+
+    def __init__(self, config: AttentionConfig, *, sigma_range=None, dense_layers=(), layer_options=None,
+                 log_stats=False, report_error_every=0, audit=True, previous=None):
+        self.config = config  # the first lane's config, and the template of the others
+        self.report_error_every = report_error_every  # SpargeAttn report: error vs dense every N calls of a layer
+        self.sigma_range = sigma_range  # (sigma_start, sigma_end): fast backend while end <= sigma <= start
+        self.dense_layers = tuple(dense_layers)
+        self.layer_options = layer_options  # callable(layer index, spec-ish dict) -> options or None
+        self.log_stats = log_stats
+        self.previous = previous  # the override this one was applied over: it serves the calls left dense
+        self.nan_net = bool(config.check_finite)
+        self._check_finite = config.check_finite  # what each lane's config starts with (the net toggles it per forward)
+        self.hides_nan = None  # the model's code sanitizes NaN (decided at its first forward)
+        self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
+        self.check_sigmas = {}  # sigma of the middle and last step of the current run -> "mid"/"last"
+        self.audit = audit and config.backend != "auto" and REGISTRY.get(config.backend).quantized
+        self.passthrough = config.backend == "sdpa" and not config.record_time  # `sdpa` is the host's SDPA call
+        self.exact = config.backend != "auto" and not REGISTRY.get(config.backend).quantized
+        # compiled models subtract K's mean in their graph for a backend that declares it (see attention.op)
+        self.smooth_k = config.backend != "auto" and REGISTRY.get(config.backend).smooth_k
+        self.handle = op.register(self)
+        self.lean_ok = (not self.passthrough and layer_options is None and not self.dense_layers and not log_stats
+                        and not config.record_time)
+        self.replaced_by = None  # the override found on the hook instead of this one at the start of a run
+        self._lanes: list[Lane] = []
+        self._lock = threading.Lock()
+        self._tls = threading.local()
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+    # ------------------------------------------------------------------ lanes
+
+    def lane(self, device=None) -> Lane:
+        """This thread's lane (on ``device``, when given: a thread that moves to another device gets that device's)."""
+        ln = getattr(self._tls, "lane", None)
+        if ln is not None and (device is None or ln.device == device):
+            return ln
+        return self._enter(device if device is not None else (ln.device if ln is not None else None))
+
+    def start_forward(self, device=None) -> Lane:
+        """A model forward starts in this thread: its lane's layer counter back to 0."""
+        ln = self.lane(device)
+        ln.layer = 0
+        return ln
+
+    def _enter(self, device) -> Lane:
+        me = threading.get_ident()
+        with self._lock:
+            ln = next((x for x in self._lanes if x.device == device and x.thread == me), None)
+            if ln is None:
+                alive = {t.ident for t in threading.enumerate()}
+                ln = next((x for x in self._lanes if x.device == device and x.thread not in alive), None)
+                if ln is not None:
+                    ln.thread = me  # a new worker thread for this device (ComfyUI starts them per run)
+            if ln is None:
+                ln = Lane(self.config if not self._lanes else self._lane_config(), device, me)
+                self._lanes.append(ln)
+        self._tls.lane = ln
+        return ln
+
+    def _lane_config(self) -> AttentionConfig:
+        """A config like the first lane's, with statistics, plans, NaN flags and ``auto``'s choices of its own."""
+        base = self.config
+        auto = base.auto
+        if auto is not None:
+            auto = dataclasses.replace(auto, decisions={}, reports={}, demoted={}, tune_ms=0.0, _loaded=False)
+        return dataclasses.replace(base, stats=Stats(), auto=auto, in_forward=False, check_finite=self._check_finite)
+
+    def lanes(self) -> list[Lane]:
+        with self._lock:
+            return list(self._lanes)
+
+    @property
+    def stats(self) -> Stats:
+        """The statistics of every lane (every device of a MultiGPU split), merged."""
+        lanes = self.lanes()
+        if len(lanes) <= 1:
+            return self.config.stats
+        return Stats.merged([ln.config.stats for ln in lanes])
+
+    # ------------------------------------------------------------------ the run
+
+    def start_run(self, sigmas=None) -> None:
+        self.check_sigmas = {}
+        if self.config.auto is not None and sigmas is not None and len(sigmas) > 2:
+            steps = [float(x) for x in sigmas[:-1]]  # one sync per run; the last sigma is the end of the schedule
+            self.check_sigmas = {steps[len(steps) // 2]: "mid", steps[-1]: "last"}
+        with self._lock:
+            self.nonfinite_layers = set()
+            lanes = list(self._lanes)
+        for ln in lanes:
+            ln.start_run()
+        if not lanes:
+            self.config.stats.reset()
+
+    def end_run(self) -> None:
+        if self.log_stats:
+            log.info("Patch Attention (%s): %s", self.config.backend, self.stats.summary())
+
+    def mark_nonfinite(self, bad, ln: Lane) -> None:
+        """Layers whose kernel returned NaN/inf in a forward of ``ln``: dense for the rest of the run, on every lane."""
+        with self._lock:
+            self.nonfinite_layers = self.nonfinite_layers | {layer for layer, _ in bad}
+        for layer, name in bad:
+            ln.config.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
+            nan_net.warn_nonfinite(name, layer)
+
+    def lossy_ran(self, ln: Lane) -> bool:
+        """A lossy (quantized) kernel has run in this lane in this run: only then can the NaN net find anything, and
+        only then do auto's re-checks apply. A run on exact kernels (`sdpa`, auto keeping SDPA) pays neither."""
+        return any(n in REGISTRY and REGISTRY.get(n).quantized for n in ln.calls)
+
+    def rechecks_pending(self, ln: Lane) -> bool:
+        """``auto`` has run a lossy choice in this run, so its middle and last steps re-check those: only then does a
+        forward read its sigma for the phase (a device sync per forward)."""
+        return bool(self.check_sigmas) and self.lossy_ran(ln)
+
+    def phase_of(self, sigma):
+        """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
+        s = nan_net.as_float(sigma) if self.check_sigmas else None
+        if s is None:
+            return None
+        return next((p for x, p in self.check_sigmas.items() if abs(x - s) <= 1e-4 * max(abs(x), 1e-6)), None)
+
+    def in_range(self, sig) -> bool:
+        if self.sigma_range is None or sig is None:
+            return True
+        s = nan_net.as_float(sig)
+        if s is None:
+            return True
+        hi, lo = self.sigma_range
+        return lo <= s <= hi
+
+    def _active(self, ln, transformer_options) -> bool:
+        if self.sigma_range is None:
+            return True
+        if ln.active is not None:
+            return ln.active
+        sig = transformer_options.get("sigmas") if transformer_options else None
+        return self.in_range(sig)
+
+    def _is_dense(self, ln, layer, topts) -> bool:
+        if layer in self.nonfinite_layers or not self._active(ln, topts):
+            return True
+        if not self.dense_layers:
+            return False
+        hit = ln.dense_cache.get(layer)
+        if hit is None:
+            hit = ln.dense_cache[layer] = in_ranges(layer, self.dense_layers)
+        return hit
+
+    # ------------------------------------------------------------------ the calls
+
+    def __call__(self, func, *args, **kwargs):
+        compiling = torch.compiler.is_compiling()  # read once: every branch below depends on it
+        if compiling and self.passthrough and not self.dense_layers \
+                and getattr(func, "__name__", None) == "attention_pytorch" and is_host_exact(func) \
+                and len(args) > 1 and same_heads(args[0], args[1]):
+            # `sdpa` in a compiled model: ComfyUI's own SDPA function traced into the graph, as in the unpatched model
+            # (inductor compiles its SDPA call); nothing of the override's state is read or counted in traced code.
+            # Only attention_pytorch: ComfyUI's split/sub-quadratic functions query free memory (graph breaks).
+            return func(*args, **kwargs)
+        if compiling:
+            a, rest = bind(args, kwargs)
+            mask, precise = a.get("mask"), wants_full_precision(a, rest)
+            return op.traced_call(a["q"], a["k"], a["v"], mask, a["heads"], bool(a.get("skip_reshape", False)),
+                                  bool(a.get("skip_output_reshape", False)), self.handle, precise,
+                                  self.smooth_k and mask is None and not precise, rest.get("scale"),
+                                  bool(rest.get("enable_gqa", False)))
+        ln = self.lane()
+        if func is ln.host and len(args) > 1 and self.passthrough and not self.dense_layers:
+            # `sdpa` on ComfyUI's own exact function: hand the call over, a few attribute reads (hot path)
+            if same_heads(args[0], args[1]):
+                ln.layer += 1
+                ln.calls[HOST] += 1
+                try:
+                    return func(*args, **kwargs)
+                except (RuntimeError, TypeError, IndexError):
+                    explain_failure(args, kwargs)  # a clear ValueError if the call itself is invalid
+                    raise
+        key = None
+        if self.lean_ok and ln.active is True and not self.nonfinite_layers:
+            key = lean.key(args, kwargs)
+            if key is not None:
+                ran, val = lean.attempt(self, ln, key, func, args, kwargs)
+                if ran:
+                    return val
+                key = val
+        a, rest = bind(args, kwargs)
+        out = self._run(ln, func, args, kwargs, a, rest, wants_full_precision(a, rest))
+        if key is not None:
+            ln.lean[key] = lean.make(self, ln, func, a) or False
+        return out
+
+    def container_function(self, *args, **kwargs):
+        """ComfyUI 0.33+: q/k/v in single-owner containers. The tensors are taken out here, so once this call returns
+        nothing of the model holds them (without containers the model's frame keeps q/k/v alive until its attention
+        block ends); dense calls go to ComfyUI's own attention function."""
+        return self(host_function(), *take(args), **kwargs)
+
+    def op_call(self, q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale=None, enable_gqa=False):
+        """The custom op's real implementation (compiled models): the same path, without ComfyUI's function; returns
+        ``[B, N, H*Dv]`` (the op's caller reshapes in the graph).  ``k_smoothed``: the graph subtracted K's mean."""
+        ln = self.lane(q.device)
+        key = None
+        if self.lean_ok and mask is None and not precise and scale is None and not enable_gqa and ln.active is True \
+                and not self.nonfinite_layers:
+            ran, val = lean.attempt(self, ln, (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape,
+                                               k_smoothed), None, (q, k, v), None)
+            if ran:
+                return val
+            key = val
+        a = {"q": q, "k": k, "v": v, "heads": heads, "mask": mask, "skip_reshape": skip_reshape,
+             "skip_output_reshape": False}
+        rest = {"scale": scale, "enable_gqa": enable_gqa} if (scale is not None or enable_gqa) else {}
+        out = self._run(ln, None, None, None, a, rest, precise, k_smoothed)
+        if key is not None:
+            ln.lean[key] = lean.make(self, ln, None, a, k_smoothed) or False
+        return out
+
+    def _dense_call(self, ln, func, args, kwargs, a, rest, precise, why):
+        """A call Patch Attention leaves dense: the override it was applied over (for what it declines by choice --
+        schedule, dense_layers), else ComfyUI's own exact function, else SDPA through the dispatcher."""
+        if self.previous is not None and why == "declined" and func is not None:
+            ln.calls[PREVIOUS] += 1
+            return self.previous(func, *args, **kwargs)
+        if func is not None and is_host_exact(func) and same_heads(a["q"], a["k"]):
+            ln.host = func
+            ln.calls[HOST] += 1
+            try:
+                return func(*args, **kwargs)
+            except (RuntimeError, TypeError, IndexError):
+                explain_failure(args, kwargs)
+                raise
+        return attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=ln.dense, **_call_kw(a, rest))
+
+    def _run(self, ln, func, args, kwargs, a, rest, precise, k_smoothed=False):
+        layer = ln.layer
+        ln.layer = layer + 1
+        cfg = ln.config
+        if self._is_dense(ln, layer, rest.get("transformer_options")):
+            why = "nonfinite" if layer in self.nonfinite_layers else "declined"
+            return self._dense_call(ln, func, args, kwargs, a, rest, precise, why)
+        if precise and not self.exact:
+            cfg.stats.count_fallback(cfg.backend, "sdpa", "full precision requested by the model")
+            return self._dense_call(ln, func, args, kwargs, a, rest, precise, "precise")
+        if self.passthrough:
+            return self._dense_call(ln, func, args, kwargs, a, rest, precise, "sdpa")
+        if self.previous is not None and func is not None and cfg.backend != "auto" and cfg.allow_fallback:
+            why = self._refused(cfg, a, rest)
+            if why is not None:  # a shape the kernel does not take: the override applied under ours serves it
+                cfg.stats.count_fallback(cfg.backend, PREVIOUS, why)
+                return self._dense_call(ln, func, args, kwargs, a, rest, precise, "declined")
+        options = None
+        if self.layer_options is not None:
+            options = self.layer_options(layer, a)
+        sparse_report = self.log_stats and cfg.backend.startswith("sparge")
+        if sparse_report:
+            options = {**(options or {}), "collect_sparsity": True}
+        kw = _call_kw(a, rest)
+        q, k, v, heads, mask = a["q"], a["k"], a["v"], a["heads"], a.get("mask")
+        out = attention(q, k, v, heads, mask, config=cfg, options=options,
+                        tag=f"layer{layer}" if sparse_report else None, check_key=layer, k_smoothed=k_smoothed, **kw)
+        if self.audit:
+            recheck.audit(ln, layer, q, k, v, heads, mask, kw, out)
+        elif ln.check_phase is not None:
+            out = recheck.recheck(ln, layer, q, k, v, heads, mask, kw, out)
+        if sparse_report and self.report_error_every and (self.layer_calls(ln, layer) % self.report_error_every == 0):
+            _, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
+            cfg.stats.add_metrics(f"{cfg.backend}@layer{layer}", {"rel_l1_vs_dense": rel})
+        return out
+
+    @staticmethod
+    def _refused(cfg, a, rest):
+        from ..attention.calls import plan_for, prepare
+
+        spec = prepare(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), bool(a.get("skip_reshape", False)),
+                       rest.get("scale"), bool(rest.get("enable_gqa", False)))[4]
+        return plan_for(REGISTRY.get(cfg.backend), spec)[1]
+
+    @staticmethod
+    def layer_calls(ln, layer: int) -> int:
+        ln.layer_calls[layer] = ln.layer_calls.get(layer, 0) + 1
+        return ln.layer_calls[layer] - 1
+
+
+def _call_kw(a, rest) -> dict:
+    kw = dict(skip_reshape=bool(a.get("skip_reshape", False)), skip_output_reshape=bool(a.get("skip_output_reshape", False)))
+    if rest.get("scale") is not None:
+        kw["scale"] = rest["scale"]
+    if rest.get("enable_gqa"):
+        kw["enable_gqa"] = True
+    return kw
