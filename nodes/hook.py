@@ -95,11 +95,20 @@ def call_function(func, args, kwargs):
 
 def host_function():
     """ComfyUI's own attention function for calls that arrive as tensor containers (the hook gives no ``func``
-    then): the unwrapped ``optimized_attention`` the model would have run."""
-    import comfy.ldm.modules.attention as comfy_attention
+    then): the unwrapped ``optimized_attention`` the model would have run (None outside ComfyUI).  ComfyUI picks it
+    once at start-up, so it is looked up once."""
+    if not _host:
+        try:
+            import comfy.ldm.modules.attention as comfy_attention
 
-    f = comfy_attention.optimized_attention
-    return getattr(f, "__wrapped__", f)
+            f = comfy_attention.optimized_attention
+            _host.append(getattr(f, "__wrapped__", f))
+        except ImportError:
+            return None
+    return _host[0]
+
+
+_host: list = []
 
 
 def take(args):

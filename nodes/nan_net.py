@@ -76,11 +76,10 @@ class ForwardWrapper:
             bad = []
             if per_call:
                 bad = cfg.take_nonfinite()
+                if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+                    ov.hides_nan = True  # an output the later per-forward check could not read: per-call flags always
             elif ov.nan_net and ov.lossy_ran(ln):  # the output check reads a device flag: one sync per forward
-                flag = output_flag(out)
-                if flag is None:  # an output this check cannot read: per-call flags from now on
-                    ov.hides_nan = True
-                elif not bool(flag.isfinite()):
+                if not bool(output_flag(out).isfinite()):
                     cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
                     ln.layer = 0
                     out = executor(*args, **kwargs)

@@ -100,11 +100,33 @@ SD_CFG = {"use_checkpoint": False, "image_size": 32, "out_channels": 4, "use_spa
           "use_temporal_attention": False, "use_temporal_resblock": False}
 
 
+def flux_config(cfg=None) -> dict:
+    """A Flux.1 config for the ComfyUI in use: 0.33 made ``txt_ids_dims`` a required field ([] for Flux.1)."""
+    import dataclasses
+
+    from comfy.ldm.flux.model import FluxParams
+
+    cfg = dict(FLUX_CFG if cfg is None else cfg)
+    if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
+        cfg.setdefault("txt_ids_dims", [])
+    return cfg
+
+
+def release() -> str:
+    """The version of the ComfyUI the tests run on (its comfyui_version.py)."""
+    try:
+        from comfyui_version import __version__
+
+        return __version__
+    except ImportError:
+        return "unknown"
+
+
 def tiny_flux(dtype=torch.float32):
     """A 2-layer Flux built from ComfyUI's own classes (head dim 32), random weights."""
     import comfy.supported_models as sm
 
-    mc = sm.Flux(dict(FLUX_CFG))
+    mc = sm.Flux(flux_config())
     mc.set_inference_dtype(dtype, None)
     model = mc.get_model({}, device="cpu")
     _init(model)

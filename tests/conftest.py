@@ -14,6 +14,22 @@ from attention import REGISTRY, Backend  # noqa: E402
 from attention import dispatch as _dispatch  # noqa: E402
 
 
+def pytest_report_header(config):
+    """Which ComfyUI the real-ComfyUI tiers run on (CI runs them once per release in ../shared/comfyui)."""
+    from comfyui_support import find_comfyui
+
+    path = find_comfyui()
+    if path is None:
+        return "ComfyUI: none found (COMFYUI_PATH unset): the real-ComfyUI tiers are skipped"
+    version = "unknown"
+    try:
+        with open(os.path.join(path, "comfyui_version.py")) as f:
+            version = f.read().split("__version__ = ")[1].split()[0].strip("\"'")
+    except (OSError, IndexError):
+        pass
+    return f"ComfyUI {version} at {path}: the real-ComfyUI tiers (loader, sampling, compile, server, browser) run on it"
+
+
 def sdpa_ref(q, k, v, heads, mask=None, skip_reshape=False, skip_output_reshape=False):
     """fp32 SDPA on ComfyUI's layouts: the reference every backend is compared to."""
     if skip_reshape:
@@ -71,6 +87,27 @@ def temp_backend():
         REGISTRY.unregister(n)
     _dispatch.clear_plan_cache()
     _dispatch.reset_warnings()
+
+
+@pytest.fixture
+def pack_backend():
+    """Register test backends in the pack as ComfyUI loads it (tests/pack.py) for one test; removed afterwards."""
+    from pack import load
+
+    A = load().attention
+    added = []
+
+    def add(backend):
+        A.REGISTRY.register(backend)
+        added.append(backend.name)
+        A.dispatch.clear_plan_cache()
+        return backend
+
+    yield add
+    for n in added:
+        A.REGISTRY.unregister(n)
+    A.dispatch.clear_plan_cache()
+    A.dispatch.reset_warnings()
 
 
 @pytest.fixture(autouse=True)

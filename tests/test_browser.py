@@ -2,7 +2,8 @@
 
 For each workflow: it loads with no missing node type and no error dialog, every widget holds the value in the
 JSON, no two nodes' boxes overlap at the size the frontend gives them, and queueing it fails only on the model
-files this machine does not have.  A screenshot of each goes to $PA_ARTIFACTS (default .build/artifacts).
+files this machine does not have.  A screenshot of each goes to $PA_ARTIFACTS/comfyui-<release>/ (default
+.build/artifacts), taken in the frontend that release pins.
 
 Needs Debian's chromium and chromium-driver and the selenium package (`.ci/run` installs them); skipped with the
 reason where they are missing.
@@ -15,13 +16,13 @@ import shutil
 import urllib.request
 
 import pytest
-from comfyui_support import ROOT
+from comfyui_support import ROOT, release
 from test_comfyui_server import server  # noqa: F401  (the fixture: ComfyUI's server with this pack installed)
 
 pytestmark = [pytest.mark.comfyui, pytest.mark.server]
 
 WORKFLOWS = sorted(glob.glob(os.path.join(ROOT, "workflows", "*.json")))
-ARTIFACTS = os.environ.get("PA_ARTIFACTS") or os.path.join(ROOT, ".build", "artifacts")
+ARTIFACTS_BASE = os.environ.get("PA_ARTIFACTS") or os.path.join(ROOT, ".build", "artifacts")
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 CHROMEDRIVER = shutil.which("chromedriver") or "/usr/bin/chromedriver"
 
@@ -54,7 +55,6 @@ def browser(server):  # noqa: F811
     from selenium.webdriver.support.ui import WebDriverWait
 
     WebDriverWait(driver, 90).until(lambda d: d.execute_script(ready))
-    os.makedirs(ARTIFACTS, exist_ok=True)
     yield driver
     driver.quit()
 
@@ -89,14 +89,18 @@ def test_workflow_in_the_real_frontend(browser, path):
     wf = json.load(open(path))
     name = os.path.splitext(os.path.basename(path))[0]
     res = browser.execute_async_script(LOAD, wf)
-    browser.save_screenshot(os.path.join(ARTIFACTS, f"{name}.png"))
+    shots = os.path.join(ARTIFACTS_BASE, f"comfyui-{release()}")  # one folder per ComfyUI release (and its frontend)
+    os.makedirs(shots, exist_ok=True)
+    browser.save_screenshot(os.path.join(shots, f"{name}.png"))
     assert "error" not in res, res.get("error")
     assert not res["dialogs"], f"dialog after loading: {res['dialogs']}"
     missing = [n["type"] for n in res["nodes"] if not n["registered"]]
     assert not missing, f"node types the frontend does not know: {missing}"
-    want = {n["id"]: n["widgets_values"] for n in wf["nodes"]}
+    # node ids: numbers in the JSON and in frontend 1.27, strings in frontend 1.49 (ComfyUI 0.33)
+    want = {str(n["id"]): n["widgets_values"] for n in wf["nodes"]}
     for n in res["nodes"]:
-        assert n["values"] == want[n["id"]], f"{n['type']} #{n['id']}: widgets {n['values']} != JSON {want[n['id']]}"
+        nid = str(n["id"])
+        assert n["values"] == want[nid], f"{n['type']} #{nid}: widgets {n['values']} != JSON {want[nid]}"
     boxes = res["nodes"]
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:

@@ -35,7 +35,7 @@ def patch(mappings, model, backend, **kw):
 def stats_of(pack_mod, model):
     ov = pack_mod.nodes.patch.override_of(model)
     assert ov is not None, "the clone carries no Patch Attention override"
-    return ov.config.stats
+    return ov.stats
 
 
 def rel(a, b):

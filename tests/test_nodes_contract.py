@@ -7,18 +7,6 @@ from pack import load
 P = load()
 
 
-@pytest.fixture
-def temp_backend_pack():
-    added = []
-
-    def add(b):
-        P.attention.REGISTRY.register(b)
-        added.append(b.name)
-
-    yield add
-    for n in added:
-        P.attention.REGISTRY.unregister(n)
-    P.attention.dispatch.clear_plan_cache()
 defs = P.nodes.definitions
 patch = P.nodes.patch
 v1 = P.nodes.v1
@@ -121,14 +109,14 @@ def test_sparge_settings_validation(tmp_path):
     assert s2.layer_options(0, None) == {"cdfthreshd": 0.9} and s2.layer_options(5, None) is None
 
 
-def test_nonfinite_layers_are_redone_dense_with_one_check_per_forward(temp_backend_pack):
+def test_nonfinite_layers_are_redone_dense_with_one_check_per_forward(pack_backend):
     A = P.attention
 
     def nan_fn(q, k, v, *, layout, mask, scale, opts):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
         return torch.full_like(o, float("nan")) if q.shape[-1] == 16 else o  # "degenerate" only at layer 1's head dim
 
-    temp_backend_pack(A.Backend(name="t_nanq", family="test", fn=nan_fn, constraints=(), probe=lambda: A.Availability(True),
+    pack_backend(A.Backend(name="t_nanq", family="test", fn=nan_fn, constraints=(), probe=lambda: A.Availability(True),
                                 quantized=True))
     cfg = A.AttentionConfig(backend="t_nanq", check_finite="deferred")
     ov = patch.AttentionOverride(cfg)

@@ -33,6 +33,12 @@ class PATestTinyFluxLoader:
         with safe_open(path, "pt") as f:
             cfg = json.loads(f.metadata()["flux_config"])
         sd = comfy.utils.load_torch_file(path)
+        import dataclasses
+
+        from comfy.ldm.flux.model import FluxParams
+
+        if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:  # ComfyUI 0.33: required ([] for Flux.1)
+            cfg.setdefault("txt_ids_dims", [])
         mc = sm.Flux(cfg)
         mc.set_inference_dtype(torch.float32, None)
         model = mc.get_model({}, device="cpu")
