@@ -170,13 +170,14 @@ class AutoSelector:
             log.warning("could not save auto decisions to %s: %s", self.cache_path, e)
 
     # ---- selection
-    def candidates(self, spec) -> list[str]:
-        """Backends that can take ``spec``, SDPA first (the baseline is always measured)."""
+    def candidates(self, spec, options=None) -> list[str]:
+        """Backends that can take ``spec`` (with the per-backend ``options`` of the config), SDPA first (the baseline
+        is always measured)."""
         names = []
         for b in REGISTRY.backends():
             if b.name in self.exclude:
                 continue
-            if plan_for(b, spec)[1] is None:
+            if plan_for(b, spec)[1] is None and b.refuses(spec, (options or {}).get(b.name)) is None:
                 names.append(b.name)
         return sorted(names, key=lambda n: n != REFERENCE)
 
@@ -205,7 +206,7 @@ class AutoSelector:
         self.demoted[sig] = why
 
     def tune(self, cfg, q4, k4, v4, layout, mask4, spec, scale):
-        names = self.candidates(spec)
+        names = self.candidates(spec, cfg.options)
         t_start = time.perf_counter()
         with torch.no_grad():
             to_hnd = (lambda t: t) if layout == "HND" else (lambda t: t.transpose(1, 2))

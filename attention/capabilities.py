@@ -135,6 +135,16 @@ KERNELS: dict[str, Kernel] = {
             source="wheel",
             note="int8 attention from comfy-kitchen",
         ),
+        Kernel(
+            key="comfy_kitchen_sol",
+            backends=("kitchen_sol", "kitchen_sol_topk"),
+            import_name="comfy_kitchen",
+            pip_name="comfy-kitchen",
+            min_cc=(8, 0),
+            source="wheel",
+            note="Sol-Attn sparse attention from comfy-kitchen >= 0.2.40 (the comfy-kitchen install.py handles; "
+                 "the version ComfyUI pins is kept)",
+        ),
     )
 }
 

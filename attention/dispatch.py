@@ -187,6 +187,8 @@ def attention(
     for name in cfg.chain(first):
         backend = REGISTRY.get(name)
         target, reason = plan_for(backend, spec)
+        if reason is None and backend.declines is not None:
+            reason = backend.refuses(spec, {**(cfg.options.get(name) or {}), **(options or {})})
         if reason is None:
             if prev is not None:
                 stats.count_fallback(prev, name, prev_reason)
@@ -279,6 +281,8 @@ def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=Fa
     backend = REGISTRY.get(name)
     q4, k4, v4, layout, spec, _, scale = prepare(q, k, v, heads, None, skip_reshape, scale, enable_gqa)
     target, reason = plan_for(backend, spec)
+    if reason is None:
+        reason = backend.refuses(spec, cfg.options.get(name))
     if reason is not None:
         return None, reason
     bl = kernel_layout(backend, layout, skip_output_reshape)

@@ -92,6 +92,9 @@ class Backend:
     # ``smooth_k=False``.  A compiled model does that subtraction in its graph, where inductor fuses it with the ops
     # that produce K, and tells the kernel so, instead of running it eagerly inside the custom op.
     smooth_k: bool = False
+    # A refusal that depends on the per-model options, checked after the static constraints: (spec, options) -> why
+    # not, or None (Sol-Attn's minimum token count, which the user sets). The options then also reach ``fn``.
+    declines: Callable | None = None
     _avail: Availability | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -123,6 +126,10 @@ class Backend:
         if not av.ok:
             return spec, f"not installed: {av.reason}"
         return plan(self.constraints, spec)
+
+    def refuses(self, spec: CallSpec, opts: dict | None) -> str | None:
+        """Why the option-dependent rule (``declines``) refuses ``spec`` with ``opts``, or None."""
+        return None if self.declines is None else self.declines(spec, {**self.options, **(opts or {})})
 
     def describe(self) -> str:
         return "; ".join(c.describe() for c in self.constraints)

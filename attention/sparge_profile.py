@@ -1,9 +1,9 @@
-"""Per-layer SpargeAttn thresholds: the profile file a tuning run writes and Patch Attention reads.
+"""Per-layer sparse-attention thresholds: the profile file a tuning run writes and Patch Attention reads.
 
-A *layer* is the i-th attention call within one forward of the diffusion model
-(Flux: 19 double + 38 single blocks = layers 0-56; an SD UNet counts self- and
-cross-attention in execution order).  A layer without an entry uses the
-per-model thresholds.
+For SpargeAttn (``sparge*``: simthreshd1/cdfthreshd/pvthreshd or topk) and comfy-kitchen's Sol-Attn
+(``kitchen_sol``: tau; ``kitchen_sol_topk``: keep_ratio; both with extra_tokens).  A *layer* is the i-th attention
+call within one forward of the diffusion model (Flux: 19 double + 38 single blocks = layers 0-56; an SD UNet counts
+self- and cross-attention in execution order).  A layer without an entry uses the per-model thresholds.
 """
 
 from __future__ import annotations
@@ -14,11 +14,19 @@ import math
 import os
 from dataclasses import dataclass, field
 
+from .backends.kitchen import SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from .backends.sparge import BOUNDS, DEFAULTS, TOPK_DEFAULTS, check_options
 
 FORMAT = "patch_attention.sparge_profile/1"
-VARIANTS = ("sparge", "sparge_topk", "sparge_sage1")
-THRESHOLDS = ("simthreshd1", "cdfthreshd", "pvthreshd", "topk")
+SPARGE_VARIANTS = ("sparge", "sparge_topk", "sparge_sage1")
+SOL_VARIANTS = ("kitchen_sol", "kitchen_sol_topk")
+VARIANTS = SPARGE_VARIANTS + SOL_VARIANTS
+THRESHOLDS = ("simthreshd1", "cdfthreshd", "pvthreshd", "topk", "tau", "keep_ratio", "extra_tokens")
+
+
+def check_thresholds(variant: str, opts: dict) -> dict:
+    """Per-layer or per-model options of ``variant``, checked by its backend family's rules."""
+    return check_sol_options(opts) if variant in SOL_VARIANTS else check_options(opts)
 
 
 class ProfileMismatchError(ValueError):
@@ -53,10 +61,10 @@ class SpargeProfile:
 
     def __post_init__(self):
         if self.variant not in VARIANTS:
-            raise ValueError(f"unknown SpargeAttn variant {self.variant!r}; known: {', '.join(VARIANTS)}")
+            raise ValueError(f"unknown sparse-attention variant {self.variant!r}; known: {', '.join(VARIANTS)}")
         self.layers = {int(k): dict(v) for k, v in self.layers.items()}
         for i, entry in self.layers.items():
-            check_options({k: v for k, v in entry.items() if k in THRESHOLDS})
+            check_thresholds(self.variant, {k: v for k, v in entry.items() if k in THRESHOLDS})
             if i < 0:
                 raise ValueError(f"layer index {i} < 0")
 
@@ -117,7 +125,8 @@ class SpargeProfile:
 
 
 def default_options(variant: str) -> dict:
-    return dict(TOPK_DEFAULTS if variant == "sparge_topk" else DEFAULTS)
+    return dict({"sparge_topk": TOPK_DEFAULTS, "kitchen_sol": SOL_DEFAULTS,
+                 "kitchen_sol_topk": SOL_TOPK_DEFAULTS}.get(variant, DEFAULTS))
 
 
 # ---------------------------------------------------------------- threshold search
@@ -150,6 +159,12 @@ def search_layer(error_fn, budget: float, variant: str = "sparge", grid=None):
 
 
 def default_grid(variant: str) -> dict:
+    """The candidates a tuning run tries per layer: walks from conservative to aggressive (``walk_key`` over ``walk``),
+    one per combination of the other options (SpargeAttn: simthreshd1 x pvthreshd; Sol-Attn: ``outer``)."""
+    if variant == "kitchen_sol":  # tau in sigmas of the proxy row: 1.0 keeps ~16 % of key blocks exact, 2.0 ~2.7 %
+        return {"outer": ({"extra_tokens": 256},), "walk_key": "tau", "walk": (0.8, 1.0, 1.3, 1.6, 2.0, 2.5, 3.0)}
+    if variant == "kitchen_sol_topk":
+        return {"outer": ({"extra_tokens": 256},), "walk_key": "keep_ratio", "walk": (0.5, 0.3, 0.2, 0.15, 0.1, 0.05)}
     if variant == "sparge_topk":
         return {"simthreshd1": (-0.1, 0.3, 0.6), "walk_key": "topk", "walk": (0.9, 0.8, 0.7, 0.6, 0.5, 0.4, 0.3), "pvthreshd": 50}
     return {"simthreshd1": (0.3, 0.5, 0.6, 0.7), "walk_key": "cdfthreshd", "walk": (0.999, 0.995, 0.99, 0.98, 0.97, 0.95, 0.93, 0.9),

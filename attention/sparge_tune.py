@@ -21,8 +21,11 @@ DEFAULT_BUDGET = 0.07  # rel-L1, SpargeAttn's autotune default (l1=0.07)
 
 
 def candidates(variant: str, grid=None) -> list[list[dict]]:
-    """Walks of threshold dicts, one per (simthreshd1, pvthreshd), each ordered from conservative to aggressive."""
+    """Walks of threshold dicts, one per (simthreshd1, pvthreshd) -- or per ``outer`` entry (Sol-Attn) -- each ordered
+    from conservative to aggressive."""
     g = grid or default_grid(variant)
+    if "outer" in g:
+        return [[{**o, g["walk_key"]: w} for w in g["walk"]] for o in g["outer"]]
     pvs = g["pvthreshd"] if isinstance(g["pvthreshd"], (tuple, list)) else (g["pvthreshd"],)
     return [[{"simthreshd1": s, g["walk_key"]: w, "pvthreshd": pv} for w in g["walk"]] for s in g["simthreshd1"] for pv in pvs]
 
@@ -97,6 +100,16 @@ class SpargeTuner:
                              error_metric="rel_l1", error_budget=self.budget, layers=layers, notes=notes)
 
 
+def aggressiveness(variant: str, th: dict, extras) -> float:
+    """What a tuning run maximizes within the error budget: SpargeAttn's measured sparsity; for Sol-Attn (which reports
+    none) how sparse its setting is, monotone along each walk (tau / 4, or 1 - keep_ratio)."""
+    if variant == "kitchen_sol":
+        return float(th["tau"]) / 4.0
+    if variant == "kitchen_sol_topk":
+        return 1.0 - float(th["keep_ratio"])
+    return (extras or {}).get("sparsity", 0.0)
+
+
 def tuning_attention(tuner: SpargeTuner, layer: int, q, k, v, heads, mask=None, *, skip_reshape=False,
                      skip_output_reshape=False, stats=None):
     """One attention call of a tuning run: returns dense attention; measures the candidates when SpargeAttn can take it."""
@@ -110,10 +123,15 @@ def tuning_attention(tuner: SpargeTuner, layer: int, q, k, v, heads, mask=None, 
     backend = REGISTRY.get(tuner.variant)
     target, reason = plan_for(backend, spec)
     if reason is None:
+        reason = backend.refuses(spec, None)
+    if reason is None:
+        sol = tuner.variant.startswith("kitchen_sol")
+
         def run(th):
-            out, extras = run_backend(backend, q4, k4, v4, layout, None, spec, target, scale, {**th, "collect_sparsity": True})
+            opts = dict(th) if sol else {**th, "collect_sparsity": True}
+            out, extras = run_backend(backend, q4, k4, v4, layout, None, spec, target, scale, opts)
             _, rel = accuracy(out, dense)
-            return rel, (extras or {}).get("sparsity", 0.0)
+            return rel, aggressiveness(tuner.variant, th, extras)
 
         tuner.evaluate(layer, run)
     elif stats is not None:

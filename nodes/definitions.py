@@ -8,8 +8,16 @@ from dataclasses import dataclass, field
 
 from ..attention import REGISTRY, environment, report_rows
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS
+from ..attention.backends.kitchen import SOL_BOUNDS, SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from ..attention.backends.sparge import BOUNDS, DEFAULTS
-from ..attention.sparge_profile import VARIANTS, SpargeProfile, default_options, fingerprint_state_dict
+from ..attention.sparge_profile import (
+    SOL_VARIANTS,
+    SPARGE_VARIANTS,
+    VARIANTS,
+    SpargeProfile,
+    default_options,
+    fingerprint_state_dict,
+)
 from ..attention.sparge_tune import DEFAULT_BUDGET
 from .patch import patch_model, tune_model
 
@@ -81,6 +89,9 @@ def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0,
     if sparge_settings is not None and sparge_settings.profile is not None:
         fp = fingerprint_state_dict(model.model.diffusion_model.state_dict())
         sparge_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
+    if sparge_settings is not None and backend not in ("auto", "disabled", sparge_settings.variant):
+        raise ValueError(f"the sparse-attention settings are for {sparge_settings.variant}, the backend is {backend}: "
+                         f"choose {sparge_settings.variant} or auto, or connect settings for {backend}")
     m = patch_model(
         model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
         dense_layers=dense_layers, log_stats=log_stats, sparge=sparge_settings, auto_retune=auto_retune,
@@ -105,7 +116,8 @@ PATCH = Node(
         In("dense_layers", "STRING", "", "Attention layers kept on dense SDPA, by index within one model forward: "
            "'0-3, 10, 50-'. Flux: 0-18 double blocks, 19-56 single blocks.", ),
         In("log_stats", "BOOLEAN", False, "After each sampling run, log calls, fallbacks and GPU time per backend."),
-        In("sparge_settings", SPARGE_TYPE, None, "SpargeAttn thresholds (and a per-layer profile) from a SpargeAttn Settings node.",
+        In("sparge_settings", SPARGE_TYPE, None, "Sparse-attention settings (and a per-layer profile) from a SpargeAttn "
+           "Settings or Sol-Attn Settings node; they apply to that node's backend (chosen here, or by auto).",
            optional=True),
         In("auto_retune", "BOOLEAN", False, "auto: measure again instead of using remembered decisions.", optional=True),
         In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: a backend must reach this cosine similarity to SDPA on the real call.",
@@ -173,7 +185,7 @@ SPARGE = Node(
     description="Thresholds for the SpargeAttn backends of Patch Attention, per model, optionally per layer from a profile.",
     inputs=[
         In("variant", "COMBO", "sparge", "sparge: SpargeAttn on SageAttention2; sparge_topk: keep the top-k blocks; "
-           "sparge_sage1: on SageAttention1 kernels.", options=list(VARIANTS)),
+           "sparge_sage1: on SageAttention1 kernels.", options=list(SPARGE_VARIANTS)),
         In("simthreshd1", "FLOAT", DEFAULTS["simthreshd1"], "Block self-similarity above which a block may be skipped "
            "(higher: fewer skipped, more accurate).", min=BOUNDS["simthreshd1"][0], max=BOUNDS["simthreshd1"][1], step=0.01),
         In("cdfthreshd", "FLOAT", DEFAULTS["cdfthreshd"], "Share of attention mass kept per row (lower: sparser, faster, less accurate).",
@@ -190,6 +202,50 @@ SPARGE = Node(
     ],
     outputs=[(SPARGE_TYPE, "sparge_settings")],
     fn=run_sparge_settings,
+)
+
+
+# ---------------------------------------------------------------- Sol-Attn Settings
+
+def run_sol_settings(method, tau=SOL_DEFAULTS["tau"], keep_percent=100 * SOL_TOPK_DEFAULTS["keep_ratio"],
+                     extra_tokens=SOL_DEFAULTS["extra_tokens"], min_tokens=SOL_DEFAULTS["min_tokens"], profile=""):
+    opts = {"extra_tokens": int(extra_tokens), "min_tokens": int(min_tokens)}
+    if method == "kitchen_sol":
+        opts["tau"] = float(tau)
+    else:
+        opts["keep_ratio"] = float(keep_percent) / 100.0
+    opts = check_sol_options(opts)
+    prof = None
+    if profile and profile.strip():
+        prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
+        if prof.variant != method:
+            raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {method}")
+    return (SpargeSettings(method, opts, prof),)
+
+
+SOL = Node(
+    node_id="SolAttnSettings",
+    display_name="Sol-Attn Settings",
+    description="Options for comfy-kitchen's Sol-Attn backends of Patch Attention (the kernel of ComfyUI's Model Sparse "
+                "Attention node), per model, optionally per layer from a tuned profile. Needs comfy-kitchen >= 0.2.40.",
+    inputs=[
+        In("method", "COMBO", "kitchen_sol", "kitchen_sol: a training-free threshold tau picks the key blocks each query "
+           "block attends exactly (the rest through one pooled term per block). kitchen_sol_topk: a fixed share of key "
+           "blocks (SLA), for weights distilled for that pattern.", options=list(SOL_VARIANTS)),
+        In("tau", "FLOAT", SOL_DEFAULTS["tau"], "kitchen_sol: threshold in sigmas of each block's score distribution; "
+           "higher is sparser and faster (1.0 keeps ~16 % of key blocks exact, 1.5 ~7 %, 2.0 ~2.7 %).",
+           min=SOL_BOUNDS["tau"][0], max=SOL_BOUNDS["tau"][1], step=0.05),
+        In("keep_percent", "FLOAT", 100 * SOL_TOPK_DEFAULTS["keep_ratio"], "kitchen_sol_topk: percent of key blocks "
+           "each query block keeps exactly.", min=0.5, max=95.0, step=0.5),
+        In("extra_tokens", "INT", SOL_DEFAULTS["extra_tokens"], "Extra top-scoring tokens each query block attends "
+           "exactly beyond its blocks (0-256, multiples of 64): closer to dense for more time.", min=0, max=256, step=64),
+        In("min_tokens", "INT", SOL_DEFAULTS["min_tokens"], "Calls with fewer tokens run dense (faster there).",
+           min=0, max=1 << 20, step=512),
+        In("profile", "STRING", "", "Optional per-layer profile JSON from Tune Sparse Attention (a path, or a file name in "
+           "models/sparge_profiles). Layers without an entry use the values above.", optional=True),
+    ],
+    outputs=[(SPARGE_TYPE, "sparse_settings")],
+    fn=run_sol_settings,
 )
 
 
@@ -220,18 +276,20 @@ def run_tune(model, variant, error_budget, profile_name, pvthreshd_values="50"):
 
 TUNE = Node(
     node_id="TuneSpargeAttn",
-    display_name="Tune SpargeAttn",
-    description="Connect between the model and a KSampler and run the graph once: every attention layer's SpargeAttn thresholds "
-                "are searched against dense attention (the run itself samples dense) and a per-layer profile is written to "
-                "models/sparge_profiles. Load it with SpargeAttn Settings -> profile.",
+    display_name="Tune Sparse Attention",
+    description="Connect between the model and a KSampler and run the graph once: every attention layer's sparse-attention "
+                "thresholds (SpargeAttn's, or Sol-Attn's tau / keep share) are searched against dense attention (the run "
+                "itself samples dense) and a per-layer profile is written to models/sparge_profiles. Load it with "
+                "SpargeAttn Settings or Sol-Attn Settings -> profile.",
     inputs=[
         In("model", "MODEL"),
-        In("variant", "COMBO", "sparge", "Which SpargeAttn kernel to tune for.", options=list(VARIANTS)),
+        In("variant", "COMBO", "sparge", "Which sparse kernel to tune for: SpargeAttn's (sparge*) or comfy-kitchen's "
+           "Sol-Attn (kitchen_sol: tau per layer; kitchen_sol_topk: keep share per layer).", options=list(VARIANTS)),
         In("error_budget", "FLOAT", DEFAULT_BUDGET, "Largest relative L1 error vs dense attention a layer may have at any "
            "sampled call (SpargeAttn's own tuning criterion; its default is 0.07).", min=0.001, max=0.5, step=0.001),
         In("profile_name", "STRING", "my_model", "File name in models/sparge_profiles (or an absolute path)."),
-        In("pvthreshd_values", "STRING", "50", "pvthreshd values to search, comma-separated (each multiplies the tuning "
-           "work); 50 is the library's default.", optional=True),
+        In("pvthreshd_values", "STRING", "50", "SpargeAttn: pvthreshd values to search, comma-separated (each multiplies "
+           "the tuning work); 50 is the library's default. Ignored for Sol-Attn.", optional=True),
     ],
     outputs=[("MODEL", "model")],
     fn=run_tune,
@@ -387,4 +445,4 @@ INFO = Node(
     output_node=True,
 )
 
-NODES = [PATCH, SPARGE, TUNE, INFO, BENCH, BENCH_E2E]
+NODES = [PATCH, SPARGE, SOL, TUNE, INFO, BENCH, BENCH_E2E]

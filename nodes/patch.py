@@ -143,9 +143,11 @@ class TuningOverride(AttentionOverride):
         self.saved = prof
         lines = [f"SpargeAttn profile saved to {self.path}: {len(prof.layers)} of {len(self.tuner.layers)} layers tuned "
                  f"(rel-L1 budget {prof.error_budget})"]
+        from ..attention.sparge_profile import THRESHOLDS
+
         for i, e in sorted(prof.layers.items()):
-            lines.append(f"  layer {i:>3}: simthreshd1 {e.get('simthreshd1')} {('topk ' + str(e['topk'])) if 'topk' in e else 'cdfthreshd ' + str(e.get('cdfthreshd'))}"
-                         f"  sparsity {e['sparsity']:.3f}  rel-L1 {e['rel_l1']:.4f}")
+            th = "  ".join(f"{k} {e[k]}" for k in THRESHOLDS if k in e)
+            lines.append(f"  layer {i:>3}: {th}  sparsity {e['sparsity']:.3f}  rel-L1 {e['rel_l1']:.4f}")
         untuned = sorted(set(self.tuner.layers) - set(prof.layers))
         if untuned:
             lines.append(f"  layers within no candidate's budget (per-model thresholds apply): {untuned}")

@@ -15,7 +15,8 @@ v1 = P.nodes.v1
 def test_pack_exports_nodes_under_any_folder_name():
     # without comfy_api the classic mappings are exported; with it, only comfy_entrypoint
     if P.nodes.comfy_entrypoint is None:
-        assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "TuneSpargeAttn", "AttentionBackendsInfo",
+        assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "SolAttnSettings", "TuneSpargeAttn",
+                                              "AttentionBackendsInfo",
                                               "AttentionBenchmark", "AttentionBenchmarkE2E"}
     else:
         assert callable(P.comfy_entrypoint)
