@@ -54,6 +54,12 @@ def signature(spec) -> str:
 
 _FILE_LOCK = threading.Lock()  # the decisions file is read, merged and written by every sampling thread's selector
 
+def phase_signature(spec, sparse_ok: bool = True) -> str:
+    """The key of auto's choice for a call: its signature, and whether sparse kernels may run in this forward (before
+    the sparse step schedule starts they may not, so that phase has a choice of its own)."""
+    return signature(spec) if sparse_ok else signature(spec) + "/dense-early"
+
+
 RULE_VERSION = 2  # 2: a candidate must beat sdpa by AutoSelector.margin (decisions made by rule 1 are re-tuned)
 
 
@@ -170,12 +176,12 @@ class AutoSelector:
             log.warning("could not save auto decisions to %s: %s", self.cache_path, e)
 
     # ---- selection
-    def candidates(self, spec, options=None) -> list[str]:
-        """Backends that can take ``spec`` (with the per-backend ``options`` of the config), SDPA first (the baseline
-        is always measured)."""
+    def candidates(self, spec, options=None, sparse_ok=True) -> list[str]:
+        """Backends that can take ``spec`` (with the per-backend ``options`` of the config; sparse kernels only when
+        ``sparse_ok``), SDPA first (the baseline is always measured)."""
         names = []
         for b in REGISTRY.backends():
-            if b.name in self.exclude:
+            if b.name in self.exclude or (b.sparse and not sparse_ok):
                 continue
             if plan_for(b, spec)[1] is None and b.refuses(spec, (options or {}).get(b.name)) is None:
                 names.append(b.name)
@@ -184,7 +190,7 @@ class AutoSelector:
     def choose(self, cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
         if not self._loaded:
             self._load()
-        sig = signature(spec)
+        sig = phase_signature(spec, cfg.sparse_ok)
         if sig in self.demoted:
             return "sdpa"
         hit = self.decisions.get(sig)
@@ -206,7 +212,7 @@ class AutoSelector:
         self.demoted[sig] = why
 
     def tune(self, cfg, q4, k4, v4, layout, mask4, spec, scale):
-        names = self.candidates(spec, cfg.options)
+        names = self.candidates(spec, cfg.options, cfg.sparse_ok)
         t_start = time.perf_counter()
         with torch.no_grad():
             to_hnd = (lambda t: t) if layout == "HND" else (lambda t: t.transpose(1, 2))

@@ -81,6 +81,7 @@ class AttentionConfig:
     stats: Stats = field(default_factory=Stats)
     auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
     in_forward: bool = False  # set by the caller around a model forward whose deferred checks it reads
+    sparse_ok: bool = True  # auto may choose sparse kernels (the caller clears it before its sparse schedule starts)
     # per config, never copied by dataclasses.replace (a config made from another starts with its own):
     _fast: dict = field(default_factory=dict, repr=False, init=False)  # exact call shape -> resolved plan
     _pending: list = field(default_factory=list, repr=False, init=False)  # deferred checks: (check_key, backend, flag)
@@ -167,7 +168,7 @@ def attention(
     if options is None and tag is None and scale is None and not cfg.record_time and _forced.get() is None:
         # k_smoothed is in the key: the cached options then carry the smooth_k=False it implies
         key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, heads, skip_reshape,
-               None if mask is None else (mask.shape, mask.dtype, mask.device), k_smoothed, enable_gqa)
+               None if mask is None else (mask.shape, mask.dtype, mask.device), k_smoothed, enable_gqa, cfg.sparse_ok)
         hit = cfg._fast.get(key)
         if hit is not None:
             out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape)

@@ -54,6 +54,9 @@ ACCURACY = {
 }
 
 
+SPARSE_CLASSES = ("sparse", "topk")  # kernels that skip attention mass: held off until the sparse schedule starts
+
+
 @dataclass
 class Availability:
     ok: bool
@@ -103,6 +106,11 @@ class Backend:
         if self.quantized and self.accuracy == "exact":
             self.accuracy = "8bit"
         self.quantized = self.accuracy != "exact"
+
+    @property
+    def sparse(self) -> bool:
+        """Skips attention mass (SpargeAttn, Sol-Attn): such kernels wait for the sparse step schedule."""
+        return self.accuracy in SPARSE_CLASSES
 
     @property
     def accuracy_class(self) -> Accuracy:

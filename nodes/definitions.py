@@ -22,6 +22,7 @@ from ..attention.sparge_tune import DEFAULT_BUDGET
 from .patch import patch_model, tune_model
 
 CATEGORY = "model_patches/attention"
+SPARSE_START = 0.2  # sparse kernels from 20 % of the schedule on, as ComfyUI's Model Sparse Attention node
 SPARGE_TYPE = "SPARGE_SETTINGS"
 
 
@@ -85,7 +86,7 @@ BACKEND_TOOLTIP = (
 
 def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0, dense_layers="", log_stats=False,
               sparge_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1,
-              check_finite=True):
+              check_finite=True, sparse_start_percent=SPARSE_START):
     if sparge_settings is not None and sparge_settings.profile is not None:
         fp = fingerprint_state_dict(model.model.diffusion_model.state_dict())
         sparge_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
@@ -96,6 +97,7 @@ def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0,
         model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
         dense_layers=dense_layers, log_stats=log_stats, sparge=sparge_settings, auto_retune=auto_retune,
         auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1, check_finite=check_finite,
+        sparse_start_percent=sparse_start_percent,
     )
     return (m,)
 
@@ -129,6 +131,10 @@ PATCH = Node(
            "run's first step, then each step's output (per call throughout for models that hide NaN, e.g. Flux); one GPU "
            "sync per step.",
            optional=True),
+        In("sparse_start_percent", "FLOAT", SPARSE_START, "Sparse kernels (SpargeAttn, Sol-Attn) only from this fraction "
+           "of the schedule on (the early steps set the layout; ComfyUI's Model Sparse Attention waits 20 % too). "
+           "Before it, a sparse backend runs dense and auto chooses among the other kernels.",
+           optional=True, min=0.0, max=1.0, step=0.01),
     ],
     outputs=[("MODEL", "model")],
     fn=run_patch,

@@ -11,21 +11,22 @@ net marked keep the full path; so do ``auto``'s lossy choices at its re-check st
 from __future__ import annotations
 
 from ..attention import REGISTRY
-from ..attention.auto import signature
+from ..attention.auto import phase_signature
 from ..attention.calls import prepare
 from ..attention.dispatch import direct_call
 from .hook import HOST, PREVIOUS, is_host_exact, same_heads, wants_full_precision
 
 
-def key(args, kwargs):
-    """The exact call shape, or None when this call is not one the lean path takes."""
+def key(args, kwargs, sparse_ok=True):
+    """The exact call shape (and whether sparse kernels may run in this forward: auto's choice differs), or None when
+    this call is not one the lean path takes."""
     if len(args) < 3 or len(args) > 4 or wants_full_precision(kwargs, kwargs) or kwargs.get("mask") is not None \
             or kwargs.get("scale") is not None or kwargs.get("enable_gqa"):
         return None
     q, k, v = args[0], args[1], args[2]
     heads = args[3] if len(args) > 3 else kwargs.get("heads")
     return (q.shape, k.shape, v.shape, q.dtype, q.device, heads, kwargs.get("skip_reshape", False),
-            kwargs.get("skip_output_reshape", False))
+            kwargs.get("skip_output_reshape", False), sparse_ok)
 
 
 def attempt(ov, ln, key, func, args, kwargs):
@@ -55,7 +56,7 @@ def make(ov, ln, func, a, k_smoothed=False):
     stats = cfg.stats
     try:
         if cfg.auto is not None:
-            sig = signature(prepare(q, k, v, heads, None, sr)[4])
+            sig = phase_signature(prepare(q, k, v, heads, None, sr)[4], cfg.sparse_ok)
             name = cfg.auto.decisions.get(sig)
             if name is None or sig in cfg.auto.demoted:
                 return None

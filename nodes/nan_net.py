@@ -59,10 +59,11 @@ class ForwardWrapper:
         cfg = ln.config
         sigma = args[1] if len(args) > 1 else kwargs.get("t")
         recheck = ov.rechecks_pending(ln)
-        if ov.sigma_range is not None or recheck:
-            sigma = as_float(sigma)  # read once for both uses below: one sync per forward
+        if ov.sigma_range is not None or recheck or ov.reads_sparse_phase(ln):
+            sigma = as_float(sigma)  # read once for every use below: one sync per forward
         ln.active = ov.in_range(sigma) if ov.sigma_range is not None else True
         ln.check_phase = ov.phase_of(sigma) if recheck else None
+        ov.sparse_phase(ln, sigma)
         ln.layer = 0
         per_call = False
         if ov.nan_net:
@@ -91,6 +92,7 @@ class ForwardWrapper:
                 ln.layer = 0
                 out = executor(*args, **kwargs)
                 cfg.take_nonfinite()
+            ov.note_choices(ln)
             ln.first_forward = False
         finally:
             cfg.in_forward = False

@@ -69,6 +69,7 @@ class Lane:
         self.checked = set()
         self.lean.clear()
         self.first_forward = True
+        cfg.sparse_ok = True
         if cfg.auto is not None:
             cfg.auto.demoted.clear()
             cfg._fast.clear()
@@ -86,7 +87,7 @@ class AttentionOverride:
     """
 
     def __init__(self, config: AttentionConfig, *, sigma_range=None, dense_layers=(), layer_options=None,
-                 log_stats=False, report_error_every=0, audit=True, previous=None):
+                 log_stats=False, report_error_every=0, audit=True, previous=None, sparse_sigma=None):
         self.config = config  # the first lane's config, and the template of the others
         self.report_error_every = report_error_every  # SpargeAttn report: error vs dense every N calls of a layer
         self.sigma_range = sigma_range  # (sigma_start, sigma_end): fast backend while end <= sigma <= start
@@ -94,6 +95,12 @@ class AttentionOverride:
         self.layer_options = layer_options  # callable(layer index, spec-ish dict) -> options or None
         self.log_stats = log_stats
         self.previous = previous  # the override this one was applied over: it serves the calls left dense
+        # Sparse kernels (SpargeAttn, Sol-Attn) wait for the sparse schedule: from the step whose sigma is at most this
+        # (None: from the first step). An explicit sparse backend runs dense before it; auto chooses among the others.
+        self.sparse_sigma = sparse_sigma
+        self.sparse_backend = config.backend != "auto" and REGISTRY.get(config.backend).sparse
+        # a sparse kernel can run in this run: the forwards read their sigma for the sparse schedule (one sync each)
+        self.sparse_seen = self.sparse_backend
         self.nan_net = bool(config.check_finite)
         self._check_finite = config.check_finite  # what each lane's config starts with (the net toggles it per forward)
         self.hides_nan = None  # the model's code sanitizes NaN (decided at its first forward)
@@ -195,6 +202,29 @@ class AttentionOverride:
             ln.config.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
             nan_net.warn_nonfinite(name, layer)
 
+    def sparse_phase(self, ln: Lane, sigma) -> None:
+        """Whether sparse kernels may run in this forward of ``ln`` (``sigma`` already a float, or a tensor): read
+        only where it can matter -- an explicit sparse backend, or auto once it chose a sparse kernel or before its
+        first choices of the run."""
+        cfg = ln.config
+        if self.sparse_sigma is None:
+            cfg.sparse_ok = True
+        elif self.reads_sparse_phase(ln):
+            s = nan_net.as_float(sigma)
+            cfg.sparse_ok = s is None or s <= self.sparse_sigma * (1 + 1e-6)
+        if self.sparse_backend and not cfg.sparse_ok:
+            ln.active = False  # an explicit sparse backend before its schedule: this forward runs dense
+
+    def reads_sparse_phase(self, ln: Lane) -> bool:
+        """This forward needs its sigma for the sparse schedule: a sparse kernel can run, or the run is still before the
+        schedule (sigmas only fall, so once past it with no sparse choice, nothing depends on it any more)."""
+        return self.sparse_sigma is not None and (self.sparse_seen or ln.first_forward or not ln.config.sparse_ok)
+
+    def note_choices(self, ln: Lane) -> None:
+        """After a forward: whether auto chose a sparse kernel anywhere (then later forwards read their sigma)."""
+        if not self.sparse_seen and ln.config.auto is not None:
+            self.sparse_seen = any(n in REGISTRY and REGISTRY.get(n).sparse for n in ln.config.auto.decisions.values())
+
     def lossy_ran(self, ln: Lane) -> bool:
         """A lossy (quantized) kernel has run in this lane in this run: only then can the NaN net find anything, and
         only then do auto's re-checks apply. A run on exact kernels (`sdpa`, auto keeping SDPA) pays neither."""
@@ -222,10 +252,10 @@ class AttentionOverride:
         return lo <= s <= hi
 
     def _active(self, ln, transformer_options) -> bool:
+        if ln.active is not None:  # set per forward: the step schedule and the sparse schedule
+            return ln.active
         if self.sigma_range is None:
             return True
-        if ln.active is not None:
-            return ln.active
         sig = transformer_options.get("sigmas") if transformer_options else None
         return self.in_range(sig)
 
@@ -270,7 +300,7 @@ class AttentionOverride:
                     raise
         key = None
         if self.lean_ok and ln.active is True and not self.nonfinite_layers:
-            key = lean.key(args, kwargs)
+            key = lean.key(args, kwargs, ln.config.sparse_ok)
             if key is not None:
                 ran, val = lean.attempt(self, ln, key, func, args, kwargs)
                 if ran:
@@ -296,7 +326,7 @@ class AttentionOverride:
         if self.lean_ok and mask is None and not precise and scale is None and not enable_gqa and ln.active is True \
                 and not self.nonfinite_layers:
             ran, val = lean.attempt(self, ln, (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape,
-                                               k_smoothed), None, (q, k, v), None)
+                                               k_smoothed, ln.config.sparse_ok), None, (q, k, v), None)
             if ran:
                 return val
             key = val

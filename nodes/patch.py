@@ -13,7 +13,7 @@ import logging
 import os
 import re
 
-from ..attention import AttentionConfig, AutoSelector
+from ..attention import REGISTRY, AttentionConfig, AutoSelector
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
 from .compose import SampleWrapper, install, previous_override
 from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
@@ -68,6 +68,7 @@ def patch_model(
     auto_max_rel_l1: float = DEFAULT_MAX_REL_L1,
     record_time: bool | None = None,
     check_finite: bool = True,
+    sparse_start_percent: float = 0.0,
 ):
     """Return a clone of ``model`` (a ComfyUI ModelPatcher) whose attention goes to ``backend``.
 
@@ -102,8 +103,14 @@ def patch_model(
     if start_percent > 0.0 or end_percent < 1.0:
         ms = m.get_model_object("model_sampling")
         sigma_range = (float(ms.percent_to_sigma(start_percent)), float(ms.percent_to_sigma(end_percent)))
+    sparse_sigma = None
+    if not 0.0 <= sparse_start_percent <= 1.0:
+        raise ValueError(f"need 0 <= sparse_start_percent <= 1, got {sparse_start_percent}")
+    if sparse_start_percent > 0.0 and (backend == "auto" or REGISTRY.get(backend).sparse):
+        sparse_sigma = float(m.get_model_object("model_sampling").percent_to_sigma(sparse_start_percent))
     ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats,
-                           report_error_every=getattr(sparge, "report_error_every", 0), previous=previous_override(m))
+                           report_error_every=getattr(sparge, "report_error_every", 0), previous=previous_override(m),
+                           sparse_sigma=sparse_sigma)
     return install(m, ov)
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from ..attention import REGISTRY, attention
-from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, signature
+from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, phase_signature
 from ..attention.calls import prepare
 from ..attention.dispatch import error_vs_reference
 
@@ -55,7 +55,7 @@ def recheck(ln, layer, q, k, v, heads, mask, kw, out):
     if auto is None:
         return out
     spec = prepare(q, k, v, heads, mask, kw["skip_reshape"], kw.get("scale"), kw.get("enable_gqa", False))[4]
-    sig = signature(spec)
+    sig = phase_signature(spec, cfg.sparse_ok)
     name = auto.decisions.get(sig)
     if name is None or not REGISTRY.get(name).quantized or (ln.check_phase, sig) in ln.checked:
         return out

@@ -52,11 +52,16 @@ def main(argv=None) -> int:
             sys.exit(f"tests/run.py: no prepared ComfyUI {', '.join(sorted(unknown))} in {a.comfy_dir} "
                      f"(have: {', '.join(v for v, _ in found) or 'none'}); run bash tests/setup_env.sh")
         found = [(v, d) for v, d in found if v in a.release]
+    base_env = dict(os.environ)
+    kitchen_sol = os.path.join(ROOT, ".build", "kitchen-sol")  # comfy-kitchen 0.2.40 for the Sol-Attn contract test
+    if os.path.isdir(kitchen_sol):
+        base_env.setdefault("PA_KITCHEN_SOL", kitchen_sol)
     if not found:  # no ComfyUI: the tiers that need none, the others skipped with the reason
-        return subprocess.call([sys.executable, "-m", "pytest", os.path.join(ROOT, "tests"), *extra], cwd=ROOT)
+        return subprocess.call([sys.executable, "-m", "pytest", os.path.join(ROOT, "tests"), *extra], cwd=ROOT,
+                               env=base_env)
     status = 0
     for i, (version, folder) in enumerate(found):
-        env = dict(os.environ, COMFYUI_PATH=os.path.join(folder, "ComfyUI"))
+        env = dict(base_env, COMFYUI_PATH=os.path.join(folder, "ComfyUI"))
         site = os.path.join(folder, "site")
         if os.path.isdir(site):
             env["PYTHONPATH"] = os.pathsep.join(p for p in (site, os.environ.get("PYTHONPATH", "")) if p)

@@ -28,6 +28,9 @@ printf '%s\n' $TORCH_PINS >"$cons"
 "$PY" -m pip install -q -c "$cons" $TORCH_PINS
 "$PY" -m pip install -q --no-deps "$TORCHAUDIO_PIN"
 "$PY" -m pip install -q -c "$cons" -r requirements-test.txt
+# comfy-kitchen 0.2.40 (the first with sol_attn), beside the venv: the Sol-Attn stand-in is checked against its
+# contract and its CPU reference (tests/test_sparse_choices.py); no release's own comfy-kitchen pin is touched
+[ -d .build/kitchen-sol/comfy_kitchen ] || "$PY" -m pip install -q --no-deps --target .build/kitchen-sol comfy-kitchen==0.2.40
 
 version_of() { basename "$1" .tgz | sed 's/^ComfyUI-//'; }
 # oldest first: it defines the venv, the others add what they pin differently

@@ -26,7 +26,8 @@ def test_classic_input_types_follow_the_definitions():
     cls = v1.NODE_CLASS_MAPPINGS["PatchAttention"]
     it = cls.INPUT_TYPES()
     assert list(it["required"]) == ["model", "backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats"]
-    assert set(it["optional"]) == {"sparge_settings", "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite"}
+    assert set(it["optional"]) == {"sparge_settings", "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite",
+                                   "sparse_start_percent"}
     choices, opts = it["required"]["backend"]
     assert choices[:2] == ["auto", "disabled"] and "sdpa" in choices and "kitchen_int8" in choices
     assert opts["default"] == "auto" and "time every backend" in opts["tooltip"]

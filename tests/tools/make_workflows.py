@@ -35,7 +35,8 @@ IO = {
     "SaveAnimatedWEBP": ([("images", "IMAGE")], ["filename_prefix", "fps", "lossless", "quality", "method"], []),
     "PatchAttention": ([("model", "MODEL"), ("sparge_settings", "SPARGE_SETTINGS")],
                        ["backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats",
-                        "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite"], [("model", "MODEL")]),
+                        "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite", "sparse_start_percent"],
+                       [("model", "MODEL")]),
     "SpargeAttnSettings": ([], ["variant", "simthreshd1", "cdfthreshd", "pvthreshd", "topk", "profile", "report_error_every"],
                            [("sparge_settings", "SPARGE_SETTINGS")]),
     "TuneSpargeAttn": ([("model", "MODEL")], ["variant", "error_budget", "profile_name", "pvthreshd_values"],
@@ -68,7 +69,8 @@ def node_size(typ, widgets):
 
 def patch_widgets(backend="auto", start=0.0, end=1.0, dense="", log_stats=True):
     return {"backend": backend, "fallback": True, "start_percent": start, "end_percent": end, "dense_layers": dense,
-            "log_stats": log_stats, "auto_retune": False, "auto_min_cos": 0.995, "auto_max_rel_l1": 0.08, "check_finite": True}
+            "log_stats": log_stats, "auto_retune": False, "auto_min_cos": 0.995, "auto_max_rel_l1": 0.08, "check_finite": True,
+            "sparse_start_percent": 0.2}
 
 
 PATCH_NOTE = (
@@ -79,7 +81,8 @@ PATCH_NOTE = (
     "which kernel ran, per call kind, after each run.\n\n"
     "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to "
     "SDPA, counted. start/end_percent: use the kernel only in this part of the schedule. dense_layers: layers kept "
-    "exact ('0-3, 10'). check_finite: redo a forward whose 8-bit kernel returned NaN.\n\n"
+    "exact ('0-3, 10'). check_finite: redo a forward whose 8-bit kernel returned NaN. sparse_start_percent: sparse "
+    "kernels (SpargeAttn, Sol-Attn) only from this part of the schedule on.\n\n"
     "Attention Backends Info (below) shows what is installed and why a kernel cannot run here."
 )
 
