@@ -39,7 +39,8 @@ def _load_pack():
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b (repeatable; default all)")
+    ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b, wan-1.3b-720p, "
+                                                      "wan-14b-720p, wan-1.3b-33f (repeatable; default all)")
     ap.add_argument("--rows", default="", help="comma-separated rows (default: every usable backend, auto and peers)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn")
@@ -49,6 +50,8 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true", help="only the rows under torch.compile")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile one step per row (top device kernels, in --json)")
+    ap.add_argument("--dynamic-vram", action="store_true",
+                    help="ComfyUI >= 0.33: the model on a dynamic (comfy-aimdo) model patcher, as 0.33's default")
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
     a = ap.parse_args(argv)
 
@@ -63,6 +66,8 @@ def main(argv=None):
     e2e = importlib.import_module(pack.__name__ + ".nodes.e2e")
     if not torch.cuda.is_available():
         sys.exit("bench_e2e: needs a CUDA GPU")
+    if a.dynamic_vram:
+        e2e.enable_dynamic_vram()
     presets = a.preset or list(e2e.PRESETS)
     rows = [r.strip() for r in a.rows.split(",") if r.strip()] or e2e.default_rows(peers=not a.no_peers)
     modes = [True] if a.compile_only else [False, True] if a.compile else [False]
@@ -75,7 +80,7 @@ def main(argv=None):
               f"synced), so loading and setup are not in it · ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
-        job = e2e.build_preset(preset)
+        job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
         for compile in modes:
             results += e2e.measure(job, rows, compile=compile, profile=a.profile, rounds=a.rounds, stat=a.stat,
@@ -89,6 +94,16 @@ def main(argv=None):
 
 def save(a, meta, header, results, e2e, final):
     md = e2e.render_markdown(results, header)
+    tlines = []
+    for p in dict.fromkeys(r["preset"] for r in results):
+        for t in e2e.targets([r for r in results if r["preset"] == p and not r.get("compile")]):
+            verdict = "n/a (auto's error is higher)" if not t["applies"] else ("met" if t["met"] else "MISSED")
+            tlines.append(f"| {p} | {t['target']} | x{t['ratio']:.3f} | {verdict} | {t['detail']} |")
+            t["preset"] = p
+            meta.setdefault("targets", []).append(t) if final else None
+    if tlines:
+        md += "\n\nTargets (s/step ratios from this run; > 1: the first row is faster):\n\n| preset | target | ratio | | |\n" \
+              "|---|---|---|---|---|\n" + "\n".join(tlines)
     if a.profile:
         md += "\n\nTop device kernels of one profiled step per row (ms, calls):\n"
         for r in results:

@@ -19,10 +19,9 @@ from ..attention.sparge_profile import (
     fingerprint_state_dict,
 )
 from ..attention.sparge_tune import DEFAULT_BUDGET
-from .patch import patch_model, tune_model
+from .patch import SPARSE_START, patch_model, tune_model
 
 CATEGORY = "model_patches/attention"
-SPARSE_START = 0.2  # sparse kernels from 20 % of the schedule on, as ComfyUI's Model Sparse Attention node
 SPARGE_TYPE = "SPARGE_SETTINGS"
 
 
@@ -358,10 +357,11 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
 
     chosen = [r.strip() for r in rows.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
     if chosen:
-        known = set(e2e.default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names()}
+        known = set(e2e.default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *e2e.CORE_ROWS}
         unknown = [r for r in chosen if r not in known and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
         if unknown:
-            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, a backend name, or peer:<backend>")
+            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, a backend name, peer:<backend>, "
+                             f"{e2e.CORE_INT8} or {e2e.CORE_SOL}")
     row_list = chosen or e2e.default_rows(peers=peers)
     job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
                   scheduler=scheduler, seed=seed, label=type(model.model.diffusion_model).__name__)
@@ -405,7 +405,8 @@ BENCH_E2E = Node(
         In("sampler_name", "COMBO", "euler", "Sampler.", options=SAMPLERS),
         In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
-        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, backend names, peer:<backend>."),
+        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, backend names, peer:<backend>, "
+           "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention)."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),
     ],

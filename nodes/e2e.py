@@ -22,7 +22,7 @@ import torch
 
 from ..attention import REGISTRY
 from ..attention.auto import accuracy
-from .patch import override_of, patch_model
+from .patch import SPARSE_START, override_of, patch_model
 
 log = logging.getLogger("patch_attention.e2e")
 
@@ -71,26 +71,132 @@ def peer_override(backend_name: str):
 
 
 NO_NAN_NET = "/no-nan-net"  # row suffix: the backend with its NaN net off, to measure what the net costs
+CORE_INT8 = "core:kitchen-int8"  # ComfyUI's Model Attention Backend node, "comfy kitchen attention"
+CORE_SOL = "core:sol-attn"  # ComfyUI's Model Sparse Attention node (Nov 2026), its defaults
+CORE_ROWS = (CORE_INT8, CORE_SOL)
+# Model Sparse Attention's defaults (comfy_extras/nodes_sparse_attention.py): method sol-attn, tau 1.3,
+# start_percent 0.2, end_percent 1.0, min_tokens 12288, extra_tokens 256, no dense blocks
+CORE_SOL_DEFAULTS = {"tau": 1.3, "start_percent": 0.2, "end_percent": 1.0, "min_tokens": 12288, "extra_tokens": 256}
+
+
+def core_row_model(model, row: str):
+    """``model`` as ComfyUI's own attention nodes leave it: ``(clone, label)``. The node itself where this ComfyUI has
+    it; otherwise the same kernel call with the node's defaults, and the label says so."""
+    if row == CORE_INT8:
+        try:
+            from comfy_extras.nodes_model_advanced import ModelAttentionBackend
+        except ImportError:
+            raise RuntimeError("this ComfyUI has no Model Attention Backend node (ComfyUI >= 0.33)") from None
+        import comfy.ldm.modules.attention as ca
+
+        if not ca.COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE:
+            raise RuntimeError("comfy-kitchen's int8 attention is not available here")
+        return ModelAttentionBackend().patch(model, "comfy kitchen attention")[0], "Model Attention Backend node"
+    try:
+        from comfy_extras.nodes_sparse_attention import apply_block_sparse_attention
+    except ImportError:
+        apply_block_sparse_attention = None
+    d = CORE_SOL_DEFAULTS
+    if apply_block_sparse_attention is not None:
+        m = apply_block_sparse_attention(model, tau=d["tau"], topk_ratio=0.0, vsa=False, start_percent=d["start_percent"],
+                                         end_percent=d["end_percent"], min_tokens=d["min_tokens"], dense_blocks=set(),
+                                         sink_conditioning="exact_kv_and_rows", extra_tokens=d["extra_tokens"],
+                                         verbose=False)
+        return m, "Model Sparse Attention node"
+    m = model.clone()
+    ms = m.get_model_object("model_sampling")
+    window = (float(ms.percent_to_sigma(d["start_percent"])), float(ms.percent_to_sigma(d["end_percent"])))
+    topts = m.model_options.setdefault("transformer_options", {})
+    topts["optimized_attention_override"] = core_sol_override(topts.get("optimized_attention_override"), window)
+    return m, "Model Sparse Attention's call with its defaults (this ComfyUI has no such node)"
+
+
+def core_sol_override(previous, window):
+    """Model Sparse Attention's override for generic models, as its node builds it with the defaults (its
+    ``make_attention_override``): dense outside the sigma window, below min_tokens, for masks and calls the kernel
+    cannot take (to ``previous`` or ComfyUI's function); else ``comfy_kitchen.sol_attn`` on (B, T, H, 128) views."""
+    import comfy_kitchen as ck
+
+    d = CORE_SOL_DEFAULTS
+    start, end = window
+
+    def override(func, q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
+                 **kwargs):
+        transformer_options = kwargs.get("transformer_options") or {}
+
+        def dense():
+            kw = dict(mask=mask, attn_precision=attn_precision, skip_reshape=skip_reshape,
+                      skip_output_reshape=skip_output_reshape, **kwargs)
+            return func(q, k, v, heads, **kw) if previous is None else previous(func, q, k, v, heads, **kw)
+
+        if mask is not None:
+            return dense()
+        tokens = q.shape[2] if skip_reshape else q.shape[1]
+        sigmas = transformer_options.get("sigmas")
+        if sigmas is not None:
+            sigma = float(sigmas[0])  # the node reads the sigma on every call
+            if sigma > start or sigma < end:
+                return dense()
+        if tokens < d["min_tokens"]:
+            return dense()
+        if skip_reshape:
+            b, _, _, dim_head = q.shape
+            qs, ks, vs = (t.transpose(1, 2) for t in (q, k, v))
+        else:
+            b, _, dim_head = q.shape
+            dim_head //= heads
+            qs, ks, vs = (t.view(b, -1, heads, dim_head) for t in (q, k, v))
+        if (q.device.type != "cuda" or not ck.sol_attn_is_available(q.device) or dim_head != 128
+                or qs.shape != ks.shape or qs.shape != vs.shape or q.dtype not in (torch.bfloat16, torch.float16, torch.float32)):
+            return dense()
+        if q.dtype == torch.float32:
+            qs, ks, vs = (t.to(torch.bfloat16) for t in (qs, ks, vs))
+        out = ck.sol_attn(qs, ks, vs, tau=d["tau"], scale=kwargs.get("scale"), sink_blocks=[0, 0], sink_q=[0, 0],
+                          topk_ratio=0.0, token_aug=d["extra_tokens"]).to(q.dtype)
+        if skip_output_reshape:
+            return out.transpose(1, 2)
+        return out.reshape(b, -1, heads * dim_head)
+
+    return override
 
 
 def make_row_model(model, row: str):
-    """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention), ``<backend>/no-nan-net``,
-    or peer:<kernel>."""
+    """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention, with the node's defaults),
+    ``<backend>/no-nan-net``, peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
     if row == UNPATCHED:
         return model.clone()
+    if row in CORE_ROWS:
+        return core_row_model(model, row)[0]
     if row.startswith(PEER):
         m = model.clone()
         m.model_options.setdefault("transformer_options", {})["optimized_attention_override"] = peer_override(row[len(PEER):])
         return m
     if row.endswith(NO_NAN_NET):
-        return patch_model(model, row[: -len(NO_NAN_NET)], auto_retune=True, check_finite=False)
-    return patch_model(model, row, auto_retune=True)
+        return patch_model(model, row[: -len(NO_NAN_NET)], auto_retune=True, check_finite=False,
+                           sparse_start_percent=SPARSE_START)
+    return patch_model(model, row, auto_retune=True, sparse_start_percent=SPARSE_START)
+
+
+def core_rows_here() -> list[str]:
+    """The core rows this ComfyUI and comfy-kitchen can run."""
+    rows = []
+    try:
+        import comfy.ldm.modules.attention as ca
+
+        if getattr(ca, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False):
+            rows.append(CORE_INT8)
+    except ImportError:
+        pass
+    if REGISTRY.get("kitchen_sol").available:
+        rows.append(CORE_SOL)
+    return rows
 
 
 def default_rows(peers=True) -> list[str]:
-    """Every backend usable here (but the slow math reference), auto, and a peer row per non-SDPA kernel."""
+    """Every backend usable here (but the slow math reference), auto, a peer row per non-SDPA kernel, and the rows of
+    ComfyUI's own attention nodes."""
     usable = [b.name for b in REGISTRY.backends() if b.available and b.name != "sdpa_math"]
-    rows = [UNPATCHED, *usable, "auto"]
+    rows = [UNPATCHED, *usable, "auto", *core_rows_here()]
     if peers:
         rows += [PEER + n for n in usable if REGISTRY.get(n).family != "sdpa"]
     return rows
@@ -206,7 +312,10 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r = {"row": row + (" +compile" if compile else ""), "preset": job.label, "steps": job.steps, "compile": compile,
              "rounds": rounds}
         try:
-            m = make_row_model(job.model, row)
+            if row in CORE_ROWS:
+                m, r["note"] = core_row_model(job.model, row)
+            else:
+                m = make_row_model(job.model, row)
             if compile:
                 from comfy_api.torch_helpers import set_torch_compile_wrapper
 
@@ -245,7 +354,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
         if profile:
             r["profile"] = profile_step(m, job)
-        r["kernels"] = kernels_that_ran(m) or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
+        r["kernels"] = kernels_that_ran(m) or r.get("note") or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
         ov = override_of(m)
         decisions = ov.stats.decisions if ov is not None else {}
         if decisions:
@@ -265,7 +374,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
 def add_paired(out_rows, rows, times) -> None:
     """Per-round paired ratios with 95 % intervals (``paired``): every row against unpatched; a Patch Attention kernel
     row against its peer; ``auto`` against the fastest of unpatched and the explicit kernel rows (``best_row``)."""
-    explicit = [r for r in times if r != UNPATCHED and r != "auto" and not r.startswith(PEER) and not r.endswith(NO_NAN_NET)]
+    explicit = [r for r in times if r != UNPATCHED and r != "auto" and not r.startswith(PEER) and not r.endswith(NO_NAN_NET)
+                and r not in CORE_ROWS]
     for x, row in zip(out_rows, rows):
         if row not in times or UNPATCHED not in times:
             continue
@@ -277,6 +387,40 @@ def add_paired(out_rows, rows, times) -> None:
             p["vs_best"] = paired_ratio(times[best], times[row])
             x["best_row"] = best
         x["paired"] = {k: [round(v, 4) for v in val] for k, val in p.items()}
+
+
+def targets(rows: list[dict], tolerance: float = 0.02) -> list[dict]:
+    """The pack's promises against ComfyUI's own attention nodes, read from one run's rows (s/step and the final
+    latent's rel-L1 against unpatched): ``auto`` at least as fast as every core row whose error it does not exceed;
+    ``auto`` within ``tolerance`` of the fastest row at (or under) its error; ``kitchen_sol`` within ``tolerance`` of
+    core:sol-attn (the same kernel, the same defaults)."""
+    ok = {r["row"].replace(" +compile", ""): r for r in rows if "s_per_step" in r}
+    out = []
+    auto = ok.get("auto")
+    if auto is not None:
+        for core in CORE_ROWS:
+            c = ok.get(core)
+            if c is None:
+                continue
+            applies = auto["rel_l1"] <= c["rel_l1"] + 1e-9
+            ratio = c["s_per_step"] / auto["s_per_step"]
+            out.append({"target": f"auto >= {core} (where auto's error <= its error)", "ratio": round(ratio, 3),
+                        "applies": applies, "met": (ratio >= 1.0) if applies else None,
+                        "detail": f"auto rel-L1 {auto['rel_l1']:.4f} vs {c['rel_l1']:.4f}"})
+        peers = [r for name, r in ok.items() if name != "auto" and r["rel_l1"] <= auto["rel_l1"] + 1e-9]
+        if peers:
+            best = min(peers, key=lambda r: r["s_per_step"])
+            ratio = best["s_per_step"] / auto["s_per_step"]
+            out.append({"target": f"auto within {tolerance:.0%} of the best row at its error ({best['row']})",
+                        "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
+                        "detail": f"{len(peers)} rows with rel-L1 <= {auto['rel_l1']:.4f}"})
+    sol, core = ok.get("kitchen_sol"), ok.get(CORE_SOL)
+    if sol is not None and core is not None:
+        ratio = core["s_per_step"] / sol["s_per_step"]
+        out.append({"target": f"kitchen_sol within {tolerance:.0%} of {CORE_SOL}", "ratio": round(ratio, 3),
+                    "applies": True, "met": ratio >= 1 - tolerance,
+                    "detail": f"rel-L1 {sol['rel_l1']:.4f} vs {core['rel_l1']:.4f}"})
+    return out
 
 
 def _ci(p) -> str:
@@ -340,16 +484,49 @@ PRESETS = {
                  "Wan 2.1 1.3B t2v, 480p (832x480), 81 frames, CFG batch"),
     "wan-14b": ("WAN21_T2V", WAN_14B, (1, 16, 21, 60, 104), (1, 512, 4096), None, 5.0,
                 "Wan 2.1 14B t2v, 480p (832x480), 81 frames, CFG batch"),
+    "wan-1.3b-720p": ("WAN21_T2V", WAN_1_3B, (1, 16, 21, 90, 160), (1, 512, 4096), None, 5.0,
+                      "Wan 2.1 1.3B t2v, 720p (1280x720), 81 frames, CFG batch"),
+    "wan-14b-720p": ("WAN21_T2V", WAN_14B, (1, 16, 21, 90, 160), (1, 512, 4096), None, 5.0,
+                     "Wan 2.1 14B t2v, 720p (1280x720), 81 frames, CFG batch"),
+    "wan-1.3b-33f": ("WAN21_T2V", WAN_1_3B, (1, 16, 9, 60, 104), (1, 512, 4096), None, 5.0,
+                     "Wan 2.1 1.3B t2v, 480p, 33 frames, CFG batch"),
 }
 
 
-def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0) -> Job:
-    """ComfyUI's model class for ``name`` at full size with random weights (fan-in scaled, norms at one), on ``device``."""
+def model_config(cls, unet: dict) -> dict:
+    """``unet`` for the installed ComfyUI: 0.33 made Flux's ``txt_ids_dims`` a required field ([] for Flux.1)."""
+    if cls == "Flux":
+        import dataclasses
+
+        from comfy.ldm.flux.model import FluxParams
+
+        if "txt_ids_dims" in {f.name for f in dataclasses.fields(FluxParams)}:
+            return {"txt_ids_dims": [], **unet}
+    return dict(unet)
+
+
+def enable_dynamic_vram() -> None:
+    """What ComfyUI 0.33's main.py does where comfy-aimdo works: dynamic (aimdo) model patchers from now on."""
+    import comfy.memory_management
+    import comfy.model_management as mm
+    import comfy.model_patcher
+    import comfy_aimdo.control
+
+    comfy_aimdo.control.init()
+    if not comfy_aimdo.control.init_devices(d.index for d in mm.get_all_torch_devices()):
+        raise RuntimeError("comfy-aimdo did not initialise on this machine")
+    comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
+    comfy.memory_management.aimdo_enabled = True
+
+
+def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0, dynamic=False) -> Job:
+    """ComfyUI's model class for ``name`` at full size with random weights (fan-in scaled, norms at one), on ``device``
+    (``dynamic``: on ComfyUI 0.33's dynamic model patcher, see :func:`enable_dynamic_vram`)."""
     import comfy.model_patcher
     import comfy.supported_models as sm
 
     cls, unet, latent, ctx, pooled, cfg, desc = PRESETS[name]
-    mc = getattr(sm, cls)(dict(unet))
+    mc = getattr(sm, cls)(model_config(cls, unet))
     mc.set_inference_dtype(dtype, None)
     model = mc.get_model({}, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
@@ -363,7 +540,13 @@ def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0) -> Job:
             else:
                 p.zero_()
     dev = torch.device(device)
-    patcher = comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=dev)
+    if dynamic:
+        import comfy.model_management as mm
+
+        patcher = comfy.model_patcher.ModelPatcherDynamic(model.to(mm.unet_offload_device()), load_device=dev,
+                                                          offload_device=mm.unet_offload_device())
+    else:
+        patcher = comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=dev)
     gc = torch.Generator().manual_seed(seed + 1)
     extra = {}
     if pooled:

@@ -26,6 +26,8 @@ __all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingEr
 
 log = logging.getLogger("patch_attention.nodes")
 
+SPARSE_START = 0.2  # the node's default: sparse kernels from 20 % of the schedule on, as ComfyUI's Model Sparse Attention
+
 _RANGE = re.compile(r"^\s*(\d+)?\s*(-)?\s*(\d+)?\s*$")
 
 

@@ -140,7 +140,13 @@ def main():
     ap.add_argument("--backends", default="")
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--options", default="", help="per-backend options, e.g. 'kitchen_sol:min_tokens=128;tau=1.3' "
+                                                  "(Sol-Attn declines calls under 12288 tokens by default)")
     a = ap.parse_args()
+    options = {}
+    for part in filter(None, a.options.split(",")):
+        name, _, kvs = part.partition(":")
+        options[name] = {k: float(v) if "." in v else int(v) for k, v in (kv.split("=") for kv in kvs.split(";"))}
     dev = torch.device(a.device)
     func = host_func(dev)
     names = [n for n in (a.backends.split(",") if a.backends else A.REGISTRY.names()) if A.REGISTRY.get(n).available]
@@ -154,7 +160,8 @@ def main():
         for name in names:
             r = res[name]
             r["cases"] += 1
-            cfg = A.AttentionConfig(backend=name, check_finite="deferred")  # as the node: fallback on, NaN net on
+            cfg = A.AttentionConfig(backend=name, check_finite="deferred",  # as the node: fallback on, NaN net on
+                                    options={name: options[name]} if name in options else {})
             ov = P.nodes.patch.AttentionOverride(cfg, audit=False)
             try:
                 out = ov(func, q, k, v, c["h"], mask=mask, skip_reshape=c["skip"], skip_output_reshape=c["skip"],
@@ -165,7 +172,7 @@ def main():
                 r["violations"].append(f"{lab}: raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 continue
             ran = next(iter(cfg.stats.calls))
-            ran = "sdpa" if ran == P.nodes.patch.HOST else ran
+            ran = "sdpa" if ran == P.nodes.hook.HOST else ran
             if ran == name:
                 r["ran_itself"] += 1
             else:
@@ -182,7 +189,7 @@ def main():
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "versions": {n: A.REGISTRY.get(n).availability().version for n in names}, "cases": len(all_cases),
             "seconds": round(time.time() - t0, 1), "host_func": getattr(func, "__name__", None),
-            "classes": {n: A.REGISTRY.get(n).accuracy for n in names}}
+            "classes": {n: A.REGISTRY.get(n).accuracy for n in names}, "options": options}
     with open(a.out, "w") as f:
         json.dump({"meta": meta, "results": res}, f, indent=1, default=dict)
     md = render(meta, res)

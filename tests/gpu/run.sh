@@ -2,21 +2,34 @@
 # The GPU runner: one script, named stages, logs and results under $OUT.
 #   bash tests/gpu/run.sh STAGE [STAGE ...]        (from the repo root, on the CUDA machine)
 #
-# Carried (ignored paths): .build/kernels/kernels.tgz (SageAttention2 + SpargeAttn built by install.py for this GPU,
-# torch and Python), .build/comfyui.tgz (ComfyUI source), .whl (wheels the machine lacks: av, torchsde, trampoline,
-# optionally comfy-kitchen), .src (the pinned upstream archives, <commit>.tar.gz, made by tests/tools/pin_source.py).
+# Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz (SageAttention2 + SpargeAttn built by install.py
+# for this GPU, torch and Python), kitchen-<version>.tar.xz (comfy-kitchen's package, its ROCm library left out; the
+# newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
+# torchsde, trampoline, comfy-aimdo), .src (the pinned upstream archives, <commit>.tar.gz, made by
+# tests/tools/pin_source.py, for the install stages).
 #
 # Stages:
-#   env            unpack kernels, wheels and ComfyUI (every other stage needs it; run it first)
+#   env            unpack kernels, comfy-kitchen, wheels and ComfyUI (every other stage needs it; run it first)
 #   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI)
+#   threads        tests/test_threads.py with CUDA present: no SDPA backend switches PyTorch's global SDPA state
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
-#                  (MATRIX_BACKENDS=a,b limits it)
+#                  (MATRIX_BACKENDS=a,b limits it; MATRIX_OPTIONS passes per-backend options)
+#   matrix-sdpa    the matrix for the SDPA family (each kernel through its ATen op)
+#   matrix-kitchen the matrix for comfy-kitchen's backends, once per carried comfy-kitchen version (Sol-Attn with
+#                  min_tokens 128 so that it takes the matrix's calls)
+#   sol-bench      kernel level: Sol-Attn (the pack's call and core's), int8, SDPA, Sage, SpargeAttn on one Wan-14B
+#                  480p self-attention call (tests/gpu/sol_bench.py)
 #   e2e-image      end-to-end benchmark, SD1.5 / SDXL (host-bound), main rows, 20 rounds: minimum, and paired
 #                  per-round ratios with 95 % intervals (vs unpatched, vs peer, auto vs the best row)
 #   e2e-flux       end-to-end benchmark, Flux-dev, main rows, 3 rounds, median
 #   e2e-image-all  the same, every row, one round, profiled
 #   e2e-wan        end-to-end benchmark, Wan 2.1 1.3B 480p/81f, every row, profiled
 #   e2e-wan14      end-to-end benchmark, Wan 2.1 14B, the main rows
+#   e2e-core-wan   Wan 1.3B 480p and 720p (81 frames) against ComfyUI's own attention nodes (core rows), 2 rounds
+#   e2e-core-image Flux-dev and SDXL against the core rows
+#   e2e-core-wan14 Wan 14B 480p/81f against the core rows
+#   dynamic        ComfyUI 0.33's dynamic (comfy-aimdo) model patcher under Patch Attention: Wan 1.3B 33 frames
+#   vram           peak VRAM of one step of Wan 14B 720p/81f with and without 0.33's attention tensor containers
 #   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux:
 #                  Flux, 6 rounds; e2e-compile-wan: Wan, compiled rows only, 2 rounds)
 #   install        install.py for real, its pinned sources served from .src by --mirror (clean state), then again
@@ -33,18 +46,64 @@ say() { echo "### $* ($(date +%T))" | tee -a "$OUT/summary.txt"; }
 stage_env() {
   nvidia-smi --query-gpu=name,compute_cap,driver_version --format=csv,noheader
   $PY -c "import torch;print('torch',torch.__version__,'cuda',torch.version.cuda)"
-  mkdir -p /tmp/kern && tar xzf .build/kernels/kernels.tgz -C /tmp/kern
-  ls .whl/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/kern .whl/*.whl 2>&1 | tail -2
-  export PYTHONPATH=/tmp/kern
-  if [ -f .build/comfyui.tgz ]; then
-    mkdir -p /tmp/comfy && tar xzf .build/comfyui.tgz -C /tmp/comfy
+  local carry=${CARRY:-.build/gpu}
+  mkdir -p /tmp/kern
+  [ -f "$carry/kernels.tgz" ] && tar xzf "$carry/kernels.tgz" -C /tmp/kern
+  for k in "$carry"/kitchen-*.tar.xz; do
+    [ -f "$k" ] || continue
+    local v; v=$(basename "$k" .tar.xz); v=${v#kitchen-}
+    mkdir -p "/tmp/kitchen-$v" && tar xJf "$k" -C "/tmp/kitchen-$v"
+    KITCHENS="${KITCHENS:-} $v"
+  done
+  export KITCHENS
+  local use=${KITCHEN:-$(for v in $KITCHENS; do echo "$v"; done | sort -V | tail -1)}
+  ls "$carry"/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/kern "$carry"/*.whl 2>&1 | tail -2
+  export PYTHONPATH=/tmp/kern${use:+:/tmp/kitchen-$use}
+  if [ -f "$carry/comfyui.tar.xz" ]; then
+    mkdir -p /tmp/comfy && tar xJf "$carry/comfyui.tar.xz" -C /tmp/comfy
     export COMFYUI_PATH=/tmp/comfy/ComfyUI
   fi
+  echo "comfy-kitchen versions: ${KITCHENS:-none}; in use: ${use:-none}; ComfyUI: $($PY -c "import sys;sys.path.insert(0,'${COMFYUI_PATH:-.}');from comfyui_version import __version__ as v;print(v)" 2>/dev/null)"
   $PY -c "import attention; print('usable:', attention.REGISTRY.available())"
 }
 
 # compile tests run in CI; the server tier needs ComfyUI's frontend package, which this machine cannot fetch
 stage_pytest() { timeout 240 $PY -m pytest tests -q -k "not compile and not server" 2>&1 | tail -n 15; }
+
+stage_threads() { timeout 120 $PY -m pytest tests/test_threads.py tests/test_lanes.py -q 2>&1 | tail -n 8; }
+
+stage_matrix-sdpa() {
+  timeout 220 $PY tests/gpu/matrix.py --out "$OUT/contract-sdpa.json" --md "$OUT/contract-sdpa.md" \
+    --backends sdpa,sdpa_flash,sdpa_cudnn,sdpa_efficient,sdpa_math 2>&1 | tail -n 30
+}
+
+stage_matrix-kitchen() {
+  for v in $KITCHENS; do
+    echo "## comfy-kitchen $v"
+    PYTHONPATH=/tmp/kern:/tmp/kitchen-$v timeout 150 $PY tests/gpu/matrix.py --out "$OUT/contract-kitchen-$v.json" \
+      --md "$OUT/contract-kitchen-$v.md" --backends kitchen_int8,kitchen_sol,kitchen_sol_topk \
+      --options "kitchen_sol:min_tokens=128,kitchen_sol_topk:min_tokens=128" 2>&1 | tail -n 25
+  done
+}
+
+stage_sol-bench() { timeout 120 $PY tests/gpu/sol_bench.py --md "$OUT/sol-bench.md" --json "$OUT/sol-bench.json" 2>&1 | tail -n 25; }
+
+CORE_ROWS=unpatched,sdpa,sage_fp8_sm90,kitchen_int8,kitchen_sol,sparge,auto,core:kitchen-int8,core:sol-attn
+stage_e2e-core-wan() { e2e e2e-core-wan 580 --preset wan-1.3b --preset wan-1.3b-720p --steps 4 --rounds 2 --rows "$CORE_ROWS"; }
+stage_e2e-core-image() {
+  e2e e2e-core-image 560 --preset flux-dev --preset sdxl --steps 6 --rounds 3 \
+    --rows unpatched,sdpa,sage_fp8_sm90,kitchen_int8,kitchen_sol,auto,core:kitchen-int8,core:sol-attn
+}
+stage_e2e-core-wan14() {
+  e2e e2e-core-wan14 580 --preset wan-14b --steps 2 --rows unpatched,sage_fp8_sm90,kitchen_sol,auto,core:kitchen-int8,core:sol-attn
+}
+stage_dynamic() {
+  e2e dynamic 300 --preset wan-1.3b-33f --steps 3 --dynamic-vram --rows unpatched,sdpa,sage_fp8_sm90,auto
+}
+stage_vram() {
+  timeout 580 $PY tests/gpu/vram.py --preset wan-14b-720p --rows unpatched,sage_fp8_sm90 --md "$OUT/vram.md" \
+    --json "$OUT/vram.json" 2>&1 | tail -n 20
+}
 
 stage_matrix() {
   timeout 400 $PY tests/gpu/matrix.py --out "$OUT/contract.json" --md "$OUT/contract.md" --backends "${MATRIX_BACKENDS:-}" 2>&1 \
@@ -108,7 +167,7 @@ stage_sparge() {
   timeout 200 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 25
 }
 
-[ $# -gt 0 ] || { sed -n '2,25p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,45p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
