@@ -80,7 +80,9 @@ def test_sol_backends_declare_what_core_s_node_does():
         for rule in ("device in {cuda}", "compute capability >= 8.0", "head dim in {128}", "masks: none",
                      "self-attention only", "grouped-query heads: no", "bfloat16, float16"):
             assert rule.replace("bfloat16, float16", "bfloat16, float16") in text or rule in text, (name, rule, text)
-    assert A.REGISTRY.get("kitchen_sol").accuracy == "sparse" and A.REGISTRY.get("kitchen_sol_topk").accuracy == "topk"
+    # routed: no bound for every input (the H100 contract matrix: rel-L1 0.22-0.76 on random inputs, where attention is
+    # flat); audited on first use, auto's gate decides per call shape
+    assert A.REGISTRY.get("kitchen_sol").accuracy == "routed" and A.REGISTRY.get("kitchen_sol_topk").accuracy == "topk"
     assert A.REGISTRY.get("kitchen_sol").options == {"tau": 1.3, "extra_tokens": 256, "min_tokens": 12288}
 
 
@@ -249,4 +251,4 @@ def test_the_stand_in_keeps_the_real_sol_attn_contract(real_kitchen):
     out = fn(*(t.bfloat16() for t in (qs, ks, vs)), layout="NHD", mask=None, scale=None, opts={"tau": 0.5})
     ref = torch.nn.functional.scaled_dot_product_attention(*(t.transpose(1, 2) for t in (qs, ks, vs))).transpose(1, 2)
     cos, rel = cos_rel(out, ref)
-    assert out.shape == (1, 512, 2, 128) and cos > 0.99 and rel < 0.15  # the "sparse" class bound
+    assert out.shape == (1, 512, 2, 128) and cos > 0.99 and rel < 0.15  # concentrated attention: close to dense

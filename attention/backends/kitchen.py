@@ -142,7 +142,7 @@ REGISTRY.register(
         description="comfy-kitchen Sol-Attn: routed key blocks exact, the rest pooled; threshold tau (Model Sparse "
                     "Attention's kernel)",
         options=dict(SOL_DEFAULTS),
-        accuracy="sparse",
+        accuracy="routed",
         declines=_min_tokens,
     )
 )

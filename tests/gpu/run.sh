@@ -89,7 +89,7 @@ stage_matrix-kitchen() {
 stage_sol-bench() { timeout 120 $PY tests/gpu/sol_bench.py --md "$OUT/sol-bench.md" --json "$OUT/sol-bench.json" 2>&1 | tail -n 25; }
 
 CORE_ROWS=unpatched,sdpa,sage_fp8_sm90,kitchen_int8,kitchen_sol,sparge,auto,core:kitchen-int8,core:sol-attn
-stage_e2e-core-wan() { e2e e2e-core-wan 580 --preset wan-1.3b --preset wan-1.3b-720p --steps 4 --rounds 2 --rows "$CORE_ROWS"; }
+stage_e2e-core-wan() { e2e e2e-core-wan 480 --preset wan-1.3b --preset wan-1.3b-720p --steps 3 --rounds 2 --rows "$CORE_ROWS"; }
 stage_e2e-core-image() {
   e2e e2e-core-image 560 --preset flux-dev --preset sdxl --steps 6 --rounds 3 \
     --rows unpatched,sdpa,sage_fp8_sm90,kitchen_int8,kitchen_sol,auto,core:kitchen-int8,core:sol-attn
@@ -98,7 +98,7 @@ stage_e2e-core-wan14() {
   e2e e2e-core-wan14 580 --preset wan-14b --steps 2 --rows unpatched,sage_fp8_sm90,kitchen_sol,auto,core:kitchen-int8,core:sol-attn
 }
 stage_dynamic() {
-  e2e dynamic 300 --preset wan-1.3b-33f --steps 3 --dynamic-vram --rows unpatched,sdpa,sage_fp8_sm90,auto
+  e2e dynamic 100 --preset wan-1.3b-33f --steps 2 --dynamic-vram --rows unpatched,sage_fp8_sm90,auto
 }
 stage_vram() {
   timeout 580 $PY tests/gpu/vram.py --preset wan-14b-720p --rows unpatched,sage_fp8_sm90 --md "$OUT/vram.md" \
