@@ -83,14 +83,16 @@ def core_row_model(model, row: str):
     """``model`` as ComfyUI's own attention nodes leave it: ``(clone, label)``. The node itself where this ComfyUI has
     it; otherwise the same kernel call with the node's defaults, and the label says so."""
     if row == CORE_INT8:
-        try:
-            from comfy_extras.nodes_model_advanced import ModelAttentionBackend
-        except ImportError:
-            raise RuntimeError("this ComfyUI has no Model Attention Backend node (ComfyUI >= 0.33)") from None
         import comfy.ldm.modules.attention as ca
 
-        if not ca.COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE:
-            raise RuntimeError("comfy-kitchen's int8 attention is not available here")
+        if not getattr(ca, "COMFY_KITCHEN_INT8_ATTENTION_IS_AVAILABLE", False):
+            raise RuntimeError("comfy-kitchen's int8 attention is not available here (ComfyUI >= 0.33 and its CUDA kernel)")
+        try:
+            from comfy_extras.nodes_model_advanced import ModelAttentionBackend
+        except ImportError:  # the node module imports ComfyUI's whole node API (video nodes: PyAV)
+            m = model.clone()  # the node's own body
+            m.set_model_optimized_attention(ca.get_attention_function("comfy_kitchen_int8"))
+            return m, "Model Attention Backend's call (its node module is not importable here)"
         return ModelAttentionBackend().patch(model, "comfy kitchen attention")[0], "Model Attention Backend node"
     try:
         from comfy_extras.nodes_sparse_attention import apply_block_sparse_attention
@@ -294,11 +296,12 @@ def profile_step(model, job: Job, top: int = 14) -> list:
     return [(e.key[:90], round(e.self_device_time_total / 1000, 3), e.count) for e in rows[:top]]
 
 
-def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 1, progress=None,
+def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 2, progress=None,
             profile: bool = False, rounds: int = 1, stat: str = "median") -> list[dict]:
     """Sample ``job`` with each row, unpatched first; returns one dict per row.
 
-    Every row's model is built and warmed up first (loading, compiling, tuning ``auto``); then ``rounds`` rounds
+    Every row's model is built and warmed up first (loading, compiling, tuning ``auto``, the first call of each kernel:
+    two steps, so that the warm-up reaches past the sparse schedule's start too); then ``rounds`` rounds
     each time every row once, in turn, so slow drift of the machine (clocks, other tenants) spreads over all rows
     instead of landing on a few.  s/step is the median over rounds of each run's median step, or with ``stat="min"``
     their minimum (on a shared host, contention only adds time: with enough rounds the minimum is the stable
