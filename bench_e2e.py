@@ -75,7 +75,7 @@ def main(argv=None):
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
     header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
-              f"weights · euler, {a.steps} steps after a 1-step warm-up run, every row timed {a.rounds}x in turn; s/step "
+              f"weights · euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
               f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
               f"synced), so loading and setup are not in it · ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")

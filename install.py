@@ -269,6 +269,7 @@ class Machine:
     triton_dist: str | None = None
     python_headers: bool = True  # Python.h (python_embeded has none: nothing can be compiled against it)
     msvc: bool = False  # cl.exe on PATH (Windows builds)
+    comfyui_pins: dict = field(default_factory=dict)  # what the ComfyUI this pack sits in pins (its requirements.txt)
 
     @property
     def archs(self) -> list[tuple[int, int]]:
@@ -346,8 +347,22 @@ def detect_installer(has_pip: bool, uv: str | None) -> str | None:
     return "pip" if has_pip else ("uv" if uv else None)
 
 
+def comfyui_pins(here: str = os.path.dirname(os.path.abspath(__file__))) -> dict:
+    """``name==version`` lines of the requirements.txt of the ComfyUI this pack is cloned into (custom_nodes/<pack>)."""
+    req = Path(here).parent.parent / "requirements.txt"
+    if Path(here).parent.name != "custom_nodes" or not req.exists():
+        return {}
+    pins = {}
+    for line in req.read_text(errors="replace").splitlines():
+        mt = re.match(r"^\s*([A-Za-z0-9_.\-]+)\s*==\s*([^\s;#]+)", line)
+        if mt:
+            pins[mt[1].lower().replace("_", "-")] = mt[2]
+    return pins
+
+
 def detect() -> Machine:
     m = Machine()
+    m.comfyui_pins = comfyui_pins()
     m.layout = detect_layout(sys.executable, sys.prefix, sys.base_prefix, dict(os.environ))
     m.installer = detect_installer(importlib.util.find_spec("pip") is not None, shutil.which("uv"))
     m.python_headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
@@ -644,6 +659,15 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
             steps.append(Step(key, "wheel", f"Triton build from PyPI ({why})", pip_args=[k.pip_name]))
             continue
         have = m.installed.get(dist)
+        pin = m.comfyui_pins.get(dist) if key == "comfy_kitchen" else None
+        if key == "comfy_kitchen" and (have or pin):
+            # ComfyUI >= 0.33 pins comfy-kitchen: that version is kept, whatever it lacks (sol_attn from 0.2.40 on)
+            sol = "" if _version3(have or pin) >= (0, 2, 40) else "; kitchen_sol needs >= 0.2.40 (not upgraded)"
+            if have:
+                steps.append(Step(key, "ok", f"{dist} {have} already installed{' (pinned by ComfyUI)' if pin else ''}{sol}"))
+            else:
+                steps.append(Step(key, "wheel", f"the version ComfyUI pins{sol}", pip_args=[f"{dist}=={pin}"]))
+            continue
         if have and not force:
             steps.append(Step(key, "ok", f"{dist} {have} already installed"))
             continue

@@ -382,7 +382,7 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
                 bar.update(1)
 
         results = e2e.measure(job, row_list, compile=compile, progress=progress)
-    return (e2e.render_markdown(results, f"{steps} {sampler_name}/{scheduler} steps per row after a 1-step warm-up, "
+    return (e2e.render_markdown(results, f"{steps} {sampler_name}/{scheduler} steps per row after a 2-step warm-up, "
                                          f"cfg {cfg}; final latent compared with the unpatched model's"),)
 
 
@@ -400,7 +400,7 @@ BENCH_E2E = Node(
         In("positive", "CONDITIONING", None, "Your positive conditioning (as into your KSampler)."),
         In("negative", "CONDITIONING", None, "Your negative conditioning."),
         In("latent_image", "LATENT", None, "Your latent (its size sets the attention shapes)."),
-        In("steps", "INT", 4, "Timed steps per row (one warm-up step runs first).", min=1, max=100, step=1),
+        In("steps", "INT", 4, "Timed steps per row (a 2-step warm-up run comes first).", min=1, max=100, step=1),
         In("cfg", "FLOAT", 5.0, "CFG scale, as in your KSampler.", min=0.0, max=100.0, step=0.1),
         In("sampler_name", "COMBO", "euler", "Sampler.", options=SAMPLERS),
         In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),

@@ -143,6 +143,25 @@ def test_second_run_has_nothing_to_do():
     assert actions(inst.plan(machine(installed={"spas_sage_attn": "0.1.0"}), force=True))["spas_sage_attn"] == "build"
 
 
+def test_the_comfy_kitchen_comfyui_pins_is_never_changed(tmp_path):
+    """ComfyUI 0.33 pins comfy-kitchen 0.2.31 (no sol_attn): install.py keeps it -- or installs exactly the pin where it
+    is missing -- and says that kitchen_sol needs 0.2.40; it never upgrades what ComfyUI pins."""
+    pinned = {"comfy-kitchen": "0.2.31"}
+    k = next(s for s in inst.plan(machine(installed={"comfy-kitchen": "0.2.31"}, comfyui_pins=pinned))
+             if s.kernel == "comfy_kitchen")
+    assert k.action == "ok" and "pinned by ComfyUI" in k.reason and "kitchen_sol needs >= 0.2.40 (not upgraded)" in k.reason
+    k = next(s for s in inst.plan(machine(comfyui_pins=pinned)) if s.kernel == "comfy_kitchen")
+    assert k.action == "wheel" and k.pip_args == ["comfy-kitchen==0.2.31"]
+    k = next(s for s in inst.plan(machine(installed={"comfy-kitchen": "0.2.40"})) if s.kernel == "comfy_kitchen")
+    assert k.action == "ok" and "kitchen_sol" not in k.reason
+    # the pins are read from the requirements.txt of the ComfyUI the pack is cloned into
+    pack = tmp_path / "ComfyUI" / "custom_nodes" / "ComfyUI-PatchAttention"
+    pack.mkdir(parents=True)
+    (tmp_path / "ComfyUI" / "requirements.txt").write_text("torch\ncomfy-kitchen==0.2.31\ncomfy_aimdo==0.4.13\nav>=16.0.0\n")
+    assert inst.comfyui_pins(str(pack)) == {"comfy-kitchen": "0.2.31", "comfy-aimdo": "0.4.13"}
+    assert inst.comfyui_pins(str(tmp_path)) == {}
+
+
 def test_sage1_installed_is_upgraded_to_sage2_when_buildable():
     a = actions(inst.plan(machine(installed={"sageattention": "1.0.6"})))
     assert a["sageattention"] == "build"
