@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 
-from .hook import OVERRIDE_KEY, describe, reaches
+from .hook import OVERRIDE_KEY, BoundWrapper, describe, reaches
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -35,15 +35,9 @@ def previous_override(model):
     return None if current is None or isinstance(current, AttentionOverride) else current
 
 
-class SampleWrapper:
+class SampleWrapper(BoundWrapper):
     """OUTER_SAMPLE wrapper: statistics per sampling run, logged at its end when asked; the run's sigmas (for auto's
     re-check at the middle and last step); whether the override is still on the hook."""
-
-    def __init__(self, override):
-        self.override = override
-
-    def __deepcopy__(self, memo):
-        return self
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override

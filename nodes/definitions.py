@@ -176,12 +176,17 @@ def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, p
         opts["topk"] = topk
     else:
         opts["cdfthreshd"] = cdfthreshd
-    prof = None
-    if profile and profile.strip():
-        prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
-        if prof.variant != variant:
-            raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {variant}")
-    return (SpargeSettings(variant, opts, prof, int(report_error_every or 0)),)
+    return (SpargeSettings(variant, opts, load_profile(profile, variant), int(report_error_every or 0)),)
+
+
+def load_profile(profile: str, variant: str) -> SpargeProfile | None:
+    """The per-layer profile named in a settings node (None for an empty name), which must be ``variant``'s."""
+    if not (profile and profile.strip()):
+        return None
+    prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
+    if prof.variant != variant:
+        raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {variant}")
+    return prof
 
 
 SPARGE = Node(
@@ -219,13 +224,7 @@ def run_sol_settings(method, tau=SOL_DEFAULTS["tau"], keep_percent=100 * SOL_TOP
         opts["tau"] = float(tau)
     else:
         opts["keep_ratio"] = float(keep_percent) / 100.0
-    opts = check_sol_options(opts)
-    prof = None
-    if profile and profile.strip():
-        prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
-        if prof.variant != method:
-            raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {method}")
-    return (SpargeSettings(method, opts, prof),)
+    return (SpargeSettings(method, check_sol_options(opts), load_profile(profile, method)),)
 
 
 SOL = Node(

@@ -116,6 +116,17 @@ def take(args):
     return (args[0].take(), args[1].take(), args[2].take(), *args[3:])
 
 
+class BoundWrapper:
+    """A ModelPatcher wrapper bound to one override: shared, not copied, when ComfyUI deep-copies model options (every
+    clone, and every GPU's clone of a MultiGPU split, runs the same one)."""
+
+    def __init__(self, override):
+        self.override = override
+
+    def __deepcopy__(self, memo):
+        return self
+
+
 def describe(override) -> str:
     """A readable name for an override found on the hook (ComfyUI's Model Attention Backend, Model Sparse Attention,
     another pack's function)."""

@@ -22,6 +22,7 @@ import sys
 import torch
 
 from ..attention.calls import finite_flag
+from .hook import BoundWrapper
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -42,15 +43,8 @@ def output_flag(out):
     return finite_flag(out) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
 
-class ForwardWrapper:
-    """APPLY_MODEL wrapper bound to one override; shared, not copied, when model options are deep-copied (every
-    device's clone of a MultiGPU split runs the same one, each in its own lane)."""
-
-    def __init__(self, override):
-        self.override = override
-
-    def __deepcopy__(self, memo):
-        return self
+class ForwardWrapper(BoundWrapper):
+    """APPLY_MODEL wrapper (each device's clone of a MultiGPU split runs the same one, each in its own lane)."""
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override

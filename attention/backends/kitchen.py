@@ -131,34 +131,26 @@ SOL_CONSTRAINTS = (
     MinSeqLen(q=128, kv=128),  # two 64-token blocks; the per-model min_tokens (declines) is the speed threshold
 )
 
-REGISTRY.register(
-    Backend(
-        name="kitchen_sol",
-        family="kitchen_sol",
-        fn=_sol(SOL_DEFAULTS, topk=False),
-        constraints=SOL_CONSTRAINTS,
-        layouts=("NHD",),
-        probe=_sol_probe,
-        description="comfy-kitchen Sol-Attn: routed key blocks exact, the rest pooled; threshold tau (Model Sparse "
-                    "Attention's kernel)",
-        options=dict(SOL_DEFAULTS),
-        accuracy="routed",
-        declines=_min_tokens,
+def _sol_entry(name, defaults, topk, accuracy, description):
+    REGISTRY.register(
+        Backend(
+            name=name,
+            family="kitchen_sol",
+            fn=_sol(defaults, topk=topk),
+            constraints=SOL_CONSTRAINTS,
+            layouts=("NHD",),
+            probe=_sol_probe,
+            description=description,
+            options=dict(defaults),
+            accuracy=accuracy,
+            declines=_min_tokens,
+        )
     )
-)
 
-REGISTRY.register(
-    Backend(
-        name="kitchen_sol_topk",
-        family="kitchen_sol",
-        fn=_sol(SOL_TOPK_DEFAULTS, topk=True),
-        constraints=SOL_CONSTRAINTS,
-        layouts=("NHD",),
-        probe=_sol_probe,
-        description="comfy-kitchen Sol-Attn with SLA top-k routing: a fixed share keep_ratio of key blocks per query "
-                    "block (for SLA-distilled weights)",
-        options=dict(SOL_TOPK_DEFAULTS),
-        accuracy="topk",
-        declines=_min_tokens,
-    )
-)
+
+_sol_entry("kitchen_sol", SOL_DEFAULTS, False, "routed",
+           "comfy-kitchen Sol-Attn: routed key blocks exact, the rest pooled; threshold tau (Model Sparse Attention's "
+           "kernel)")
+_sol_entry("kitchen_sol_topk", SOL_TOPK_DEFAULTS, True, "topk",
+           "comfy-kitchen Sol-Attn with SLA top-k routing: a fixed share keep_ratio of key blocks per query block (for "
+           "SLA-distilled weights)")

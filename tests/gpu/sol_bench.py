@@ -27,20 +27,8 @@ A = P.attention
 inputs = __import__("importlib").import_module(A.__name__ + ".inputs")
 
 
-def timed(fn, reps=10, rounds=5, warmup=3):
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s.record()
-        for _ in range(reps):
-            fn()
-        e.record()
-        e.synchronize()
-        times.append(s.elapsed_time(e) / reps)
-    return sorted(times)[len(times) // 2]
+def timed(fn):
+    return A.auto.time_call(fn, torch.device("cuda"), warmup=3, reps=10, rounds=5)
 
 
 def main():
