@@ -287,7 +287,7 @@ class AttentionOverride:
                                   bool(a.get("skip_output_reshape", False)), self.handle, precise,
                                   self.smooth_k and mask is None and not precise, rest.get("scale"),
                                   bool(rest.get("enable_gqa", False)))
-        ln = self.lane()
+        ln = getattr(self._tls, "lane", None) or self.lane()  # this thread's lane: one attribute read (hot path)
         if func is ln.host and len(args) > 1 and self.passthrough and not self.dense_layers:
             # `sdpa` on ComfyUI's own exact function: hand the call over, a few attribute reads (hot path)
             if same_heads(args[0], args[1]):
