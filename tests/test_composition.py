@@ -161,3 +161,36 @@ def test_torch_compile_model_over_patch_attention_runs_through_the_op(pack):
     assert not _replaced_warnings(recs)
     assert rel(out, ref) < 1e-5 and stats_of(mod, compiled).calls["sdpa_math"] == 4
     assert torch.isfinite(out).all()
+
+
+@pytest.mark.parametrize("backend", ["sdpa", "sdpa_math", "auto"])
+def test_a_call_no_attention_can_take_is_a_clear_error_through_comfyuis_hook(pack, backend):
+    """Through ComfyUI's own wrap_attn: a hidden width that is not a multiple of heads (35 with 4 heads) is a
+    ValueError naming both, whichever path takes the call (ComfyUI's function raised a bare view error before)."""
+    import comfy.ldm.modules.attention as ca
+
+    mod, _ = pack
+    ov = mod.nodes.patch.AttentionOverride(mod.attention.AttentionConfig(backend=backend))
+    q = torch.randn(1, 8, 35)
+    for _ in range(2):  # the first call and the hot path after it
+        with pytest.raises(ValueError, match="q width 35 is not divisible by heads=4"):
+            ca.optimized_attention(q, q, q, 4, transformer_options={KEY: ov})
+
+
+def test_tensor_containers_through_comfyuis_hook(pack):
+    """ComfyUI 0.33's containers through its own wrap_attn: the override's container_function gets them, takes the
+    tensors, and the result is ComfyUI's own attention's."""
+    import comfy.ldm.modules.attention as ca
+
+    if not hasattr(ca, "AttentionTensorContainer"):
+        pytest.skip("this ComfyUI has no attention tensor containers (added after 0.3.64)")
+    mod, _ = pack
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 24, 64, generator=g) for _ in range(3))
+    ref = ca.optimized_attention(q, k, v, 2)
+    for backend in ("sdpa", "sdpa_math"):
+        ov = mod.nodes.patch.AttentionOverride(mod.attention.AttentionConfig(backend=backend))
+        conts = [ca.AttentionTensorContainer(t.clone()) for t in (q, k, v)]
+        out = ca.optimized_attention(*conts, 2, transformer_options={KEY: ov})
+        assert rel(out, ref) < 1e-5 and all(c.tensor is None for c in conts)
+        assert ov.stats.total_calls == 1
