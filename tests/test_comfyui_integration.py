@@ -161,7 +161,8 @@ def test_log_stats_after_sampling(pack, caplog):
 
 def test_fallback_off_stops_with_the_reason(pack):
     mod, mappings = pack
-    m = patch(mappings, tiny_flux(), "sparge", fallback=False)
+    # sparse_start_percent 0: the first step already runs the sparse kernel (by default it waits for 20 % of the run)
+    m = patch(mappings, tiny_flux(), "sparge", fallback=False, sparse_start_percent=0.0)
     with pytest.raises(Exception, match="cannot take .*fallback is off"):
         sample(m, steps=1)
 
