@@ -20,12 +20,22 @@ what ComfyUI's attention returns for ``skip_output_reshape=False``: ``[B, N, H*D
 from __future__ import annotations
 
 import itertools
+import sys
+import types
 import weakref
 
 import torch
 
-_handlers: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
-_ids = itertools.count(1)
+# The op and its handles are one per process, whichever copy of this module registered the op first: a pack can be
+# imported twice in one process (ComfyUI's loader and a test suite's), and the op's implementation must find the
+# handlers every copy registers, without two copies handing out the same handle.
+_SHARED = "_patch_attention_op_handles"
+if _SHARED not in sys.modules:
+    _shared = types.ModuleType(_SHARED)
+    _shared.handlers, _shared.ids = weakref.WeakValueDictionary(), itertools.count(1)
+    sys.modules[_SHARED] = _shared
+_handlers = sys.modules[_SHARED].handlers
+_ids = sys.modules[_SHARED].ids
 
 
 def register(handler_owner) -> int:
@@ -35,10 +45,9 @@ def register(handler_owner) -> int:
     return h
 
 
-@torch.library.custom_op("patch_attention::attention", mutates_args=())
-def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, heads: int,
-                 skip_reshape: bool, handle: int, precise: bool, k_smoothed: bool, scale: float | None = None,
-                 enable_gqa: bool = False) -> torch.Tensor:
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, heads: int,
+               skip_reshape: bool, handle: int, precise: bool, k_smoothed: bool, scale: float | None = None,
+               enable_gqa: bool = False) -> torch.Tensor:
     owner = _handlers.get(handle)
     if owner is None:
         raise RuntimeError(f"patch_attention::attention: handle {handle} belongs to no live patched model")
@@ -47,8 +56,7 @@ def attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.
     return out.unflatten(-1, (q.shape[1] if skip_reshape else heads, -1)).contiguous()
 
 
-@attention_op.register_fake
-def _(q, k, v, mask, heads, skip_reshape, handle, precise, k_smoothed, scale=None, enable_gqa=False):
+def _fake(q, k, v, mask, heads, skip_reshape, handle, precise, k_smoothed, scale=None, enable_gqa=False):
     if skip_reshape:  # [B, H, N, D]
         b, h, n = q.shape[0], q.shape[1], q.shape[2]
         dv = v.shape[-1]
@@ -57,6 +65,19 @@ def _(q, k, v, mask, heads, skip_reshape, handle, precise, k_smoothed, scale=Non
         h = heads
         dv = v.shape[-1] // (k.shape[-1] // (q.shape[-1] // heads))
     return q.new_empty((b, n, h, dv))
+
+
+def _registered():
+    try:
+        return torch.ops.patch_attention.attention
+    except (AttributeError, RuntimeError):
+        return None
+
+
+attention_op = _registered()
+if attention_op is None:
+    attention_op = torch.library.custom_op("patch_attention::attention", mutates_args=())(_attention)
+    attention_op.register_fake(_fake)
 
 
 def traced_call(q, k, v, mask, heads, skip_reshape, skip_output_reshape, handle, precise, smooth_k, scale=None,
