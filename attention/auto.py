@@ -54,6 +54,7 @@ def signature(spec) -> str:
 
 _FILE_LOCK = threading.Lock()  # the decisions file is read, merged and written by every sampling thread's selector
 
+
 def phase_signature(spec, sparse_ok: bool = True) -> str:
     """The key of auto's choice for a call: its signature, and whether sparse kernels may run in this forward (before
     the sparse step schedule starts they may not, so that phase has a choice of its own)."""

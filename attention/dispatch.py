@@ -188,16 +188,17 @@ def attention(
     for name in cfg.chain(first):
         backend = REGISTRY.get(name)
         target, reason = plan_for(backend, spec)
-        if reason is None and backend.declines is not None:
-            reason = backend.refuses(spec, {**(cfg.options.get(name) or {}), **(options or {})})
+        if reason is None:
+            opts = cfg.options.get(name) or {}
+            if options:
+                opts = {**opts, **options}
+            if backend.declines is not None:
+                reason = backend.refuses(spec, opts)
         if reason is None:
             if prev is not None:
                 stats.count_fallback(prev, name, prev_reason)
                 _warn_once((prev, prev_reason), "%s cannot take %s: %s; using %s (counted in stats)",
                            prev, spec.short(), prev_reason, name)
-            opts = cfg.options.get(name) or {}
-            if options:
-                opts = {**opts, **options}
             if k_smoothed and backend.smooth_k:
                 opts = {**opts, "smooth_k": False}
             try:

@@ -32,7 +32,18 @@ from ..attention import REGISTRY, AttentionConfig, attention, op
 from ..attention.dispatch import error_vs_reference
 from ..attention.stats import Stats
 from . import lean, nan_net, recheck
-from .hook import HOST, PREVIOUS, bind, explain_failure, host_function, is_host_exact, same_heads, take, wants_full_precision
+from .hook import (
+    HOST,
+    PREVIOUS,
+    bind,
+    call_function,
+    explain_failure,
+    host_function,
+    is_host_exact,
+    same_heads,
+    take,
+    wants_full_precision,
+)
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -293,7 +304,7 @@ class AttentionOverride:
             if same_heads(args[0], args[1]):
                 ln.layer += 1
                 ln.calls[HOST] += 1
-                try:
+                try:  # inline rather than call_function: no extra frame on the hottest path
                     return func(*args, **kwargs)
                 except (RuntimeError, TypeError, IndexError):
                     explain_failure(args, kwargs)  # a clear ValueError if the call itself is invalid
@@ -347,11 +358,7 @@ class AttentionOverride:
         if func is not None and is_host_exact(func) and same_heads(a["q"], a["k"]):
             ln.host = func
             ln.calls[HOST] += 1
-            try:
-                return func(*args, **kwargs)
-            except (RuntimeError, TypeError, IndexError):
-                explain_failure(args, kwargs)
-                raise
+            return call_function(func, args, kwargs)
         return attention(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), config=ln.dense, **_call_kw(a, rest))
 
     def _run(self, ln, func, args, kwargs, a, rest, precise, k_smoothed=False):
