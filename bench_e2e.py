@@ -105,10 +105,12 @@ def save(a, meta, header, results, e2e, final):
         md += "\n\nTargets (s/step ratios from this run; > 1: the first row is faster):\n\n| preset | target | ratio | | |\n" \
               "|---|---|---|---|---|\n" + "\n".join(tlines)
     if a.profile:
-        md += "\n\nTop device kernels of one profiled step per row (ms, calls):\n"
+        md += "\n\nTop device kernels of the last step of one profiled run per row (ms, calls):\n"
         for r in results:
             if r.get("profile"):
-                md += f"\n- {r['preset']} {r['row']}: " + "; ".join(f"{n} {ms} ms x{c}" for n, ms, c in r["profile"])
+                pr = r["profile"]
+                md += (f"\n- {r['preset']} {r['row']} (step {pr['step']}, {pr['device_ms']} ms on the device): "
+                       + "; ".join(f"{n} {ms} ms x{c}" for n, ms, c in pr["top"]))
     if final:
         print(md)
     if a.md:

@@ -284,16 +284,34 @@ def kernels_that_ran(model) -> str:
     return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
 
 
-def profile_step(model, job: Job, top: int = 14) -> list:
-    """One step under torch.profiler: the ``top`` device kernels by total time, [(name, ms, calls)]."""
+def profile_step(model, job: Job, top: int = 14) -> dict:
+    """The last step of a ``job.steps``-step run under torch.profiler (the step the timing measures once past the
+    sparse schedule's start): ``{"step": i, "device_ms": total, "top": [(name, ms, calls)]}``, the ``top`` device
+    kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
+    last = job.steps - 1
+
+    def cb(step, *_):
+        if step == last - 1:
+            _sync()
+            prof.start()
+        elif step == last:
+            _sync()
+            prof.stop()
+
+    if last == 0:
+        prof.start()
         _sample(model, job, 1)
         _sync()
+        prof.stop()
+    else:
+        _sample(model, job, job.steps, cb)
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
     rows.sort(key=lambda e: -e.self_device_time_total)
-    return [(e.key[:90], round(e.self_device_time_total / 1000, 3), e.count) for e in rows[:top]]
+    return {"step": last, "device_ms": round(sum(e.self_device_time_total for e in rows) / 1000, 1),
+            "top": [(e.key[:90], round(e.self_device_time_total / 1000, 3), e.count) for e in rows[:top]]}
 
 
 def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 2, progress=None,

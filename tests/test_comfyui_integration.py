@@ -327,6 +327,43 @@ def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pac
     assert "paired per round" in md and "vs peer ×" in md and f"vs {by['auto']['best_row']} (best) ×" in md
 
 
+def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
+    """The profiled step is the run's last one (past the sparse schedule's start, as the timed steps are), not a
+    one-step run that never leaves the dense phase: the profiler starts after steps-1 model calls and stops after one
+    more."""
+    import importlib
+
+    import torch.profiler
+
+    mod, _ = pack
+    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    from comfyui_support import flux_conds
+
+    calls, marks = [], []
+
+    class Recorder:
+        def __init__(self, *a, **k):
+            pass
+
+        def start(self):
+            marks.append(("start", len(calls)))
+
+        def stop(self):
+            marks.append(("stop", len(calls)))
+
+        def key_averages(self):
+            return []
+
+    monkeypatch.setattr(torch.profiler, "profile", Recorder)
+    model = tiny_flux().clone()
+    model.set_model_unet_function_wrapper(lambda f, a: (calls.append(1), f(a["input"], a["timestep"], **a["c"]))[1])
+    pos, neg = flux_conds()
+    job = e2e.Job(model, pos, neg, torch.zeros(1, 16, 16, 16), steps=3, label="tiny")
+    out = e2e.profile_step(model, job)
+    assert marks == [("start", 2), ("stop", 3)] and len(calls) == 3
+    assert out == {"step": 2, "device_ms": 0.0, "top": []}
+
+
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
     mod, _ = pack
     e2e = mod.nodes.e2e
