@@ -77,7 +77,9 @@ def main(argv=None):
     header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
               f"weights · euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
               f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
-              f"synced), so loading and setup are not in it · ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+              f"synced), so loading, setup and the first step are not in it; "
+              f"'whole run' is from the sampler's start to its last step over the number of steps, the first included · "
+              f"ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
         job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
@@ -109,7 +111,8 @@ def save(a, meta, header, results, e2e, final):
         for r in results:
             if r.get("profile"):
                 pr = r["profile"]
-                md += (f"\n- {r['preset']} {r['row']} (step {pr['step']}, {pr['device_ms']} ms on the device): "
+                md += (f"\n- {r['preset']} {r['row']} (step {pr['step']}: {pr['device_ms']} ms of device kernels, "
+                       f"{pr['attention_ms']} ms of them attention's): "
                        + "; ".join(f"{n} {ms} ms x{c}" for n, ms, c in pr["top"]))
     if final:
         print(md)

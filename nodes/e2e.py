@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import math
+import re
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -231,20 +232,38 @@ def _sample(model, job: Job, steps: int, callback=None):
                                job.latent, disable_pbar=True, seed=job.seed, callback=callback)
 
 
+TIMER_KEY = "patch_attention_e2e_timer"
+
+
 def _timed_sample(model, job: Job):
-    """(latent, seconds per step): the median interval between the sampler's step callbacks (device synced at each),
-    so model loading and conditioning setup before the first step are not counted."""
-    marks = []
+    """(latent, seconds per step, seconds per step over the whole run).
+
+    The first: the median interval between the sampler's step callbacks (device synced at each), so model loading,
+    conditioning setup and the first step are not counted; with a sparse schedule those are the steps past its start.
+    The second: from the sampler's start (a ``SAMPLER_SAMPLE`` wrapper, after loading and setup) to its last step,
+    over the number of steps: the dense steps before a sparse schedule's start included."""
+    import comfy.patcher_extension as pe
+
+    marks, start = [], []
 
     def cb(*_):
         _sync()
         marks.append(time.perf_counter())
 
-    _sync()
-    marks.append(time.perf_counter())
-    lat = _sample(model, job, job.steps, cb)
+    def begin(executor, *args, **kwargs):
+        _sync()
+        start.append(time.perf_counter())
+        return executor(*args, **kwargs)
+
+    model.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, TIMER_KEY, begin)
+    try:
+        _sync()
+        marks.append(time.perf_counter())
+        lat = _sample(model, job, job.steps, cb)
+    finally:
+        model.remove_wrappers_with_key(pe.WrappersMP.SAMPLER_SAMPLE, TIMER_KEY)
     steps = [b - a for a, b in zip(marks[1:], marks[2:])] or [b - a for a, b in zip(marks, marks[1:])]
-    return lat, statistics.median(steps)
+    return lat, statistics.median(steps), (marks[-1] - start[0]) / job.steps
 
 
 def median_ci(xs, conf: float = 0.95):
@@ -310,8 +329,18 @@ def profile_step(model, job: Job, top: int = 14) -> dict:
         _sample(model, job, job.steps, cb)
     rows = [e for e in prof.key_averages() if e.device_type.name == "CUDA" or getattr(e, "self_device_time_total", 0) > 0]
     rows.sort(key=lambda e: -e.self_device_time_total)
-    return {"step": last, "device_ms": round(sum(e.self_device_time_total for e in rows) / 1000, 1),
+    # kernels only: the ops above them would count their time twice; "Command Buffer Full" is the launch queue's
+    # stall (the host waiting on the device), not device work
+    kernels = [e for e in rows if e.device_type.name == "CUDA" and e.key != "Command Buffer Full"]
+    ms = lambda es: round(sum(e.self_device_time_total for e in es) / 1000, 1)  # noqa: E731
+    return {"step": last, "device_ms": ms(kernels), "attention_ms": ms(e for e in kernels if ATTENTION_KERNEL.search(e.key)),
             "top": [(e.key[:90], round(e.self_device_time_total / 1000, 3), e.count) for e in rows[:top]]}
+
+
+# device kernels that belong to an attention call, by name: the kernels of SDPA (flash, cuDNN, efficient), Sage and
+# SpargeAttn (their quantization, mean, pooling and layout kernels too), comfy-kitchen's int8 and Sol-Attn
+ATTENTION_KERNEL = re.compile(r"attn|attention|flash|fmha|sdpa|sol_|quant|pool_sim|sub_mean|mean_scale|transpose_pad",
+                              re.IGNORECASE)
 
 
 def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 2, progress=None,
@@ -351,14 +380,16 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             log.warning("e2e %s %s: %s", job.label, row, r["error"])
         out_rows.append(r)
     times = {row: [] for row in models}
+    wholes = {row: [] for row in models}
     latents, peaks = {}, {}
     order = list(models.items())
     for rnd in range(rounds):
         for row, m in (order if rnd % 2 == 0 else order[::-1]):  # every other round reversed: no row always first
             if torch.cuda.is_available():
                 torch.cuda.reset_peak_memory_stats()
-            latents[row], dt = _timed_sample(m, job)
+            latents[row], dt, whole = _timed_sample(m, job)
             times[row].append(dt)
+            wholes[row].append(whole)
             if torch.cuda.is_available():
                 peaks[row] = max(peaks.get(row, 0.0), torch.cuda.max_memory_allocated() / 2**30)
     ref = latents.get(UNPATCHED)
@@ -369,6 +400,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["s_per_step"] = pick(times[row])
         r["stat"] = stat
         r["s_per_step_runs"] = [round(t, 5) for t in times[row]]
+        r["s_per_step_whole"] = round(pick(wholes[row]), 5)
         if row in peaks:
             r["peak_gib"] = round(peaks[row], 2)
         r["finite"] = bool(torch.isfinite(lat).all())
@@ -383,10 +415,11 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         if progress is not None:
             progress(r)
     models.clear()
-    base = next((x["s_per_step"] for x in out_rows if x["row"].startswith(UNPATCHED) and "s_per_step" in x), None)
+    unp = next((x for x in out_rows if x["row"].startswith(UNPATCHED) and "s_per_step" in x), None)
     for x in out_rows:
-        if base and "s_per_step" in x:
-            x["vs_unpatched"] = round(base / x["s_per_step"], 3)
+        if unp and "s_per_step" in x:
+            x["vs_unpatched"] = round(unp["s_per_step"] / x["s_per_step"], 3)
+            x["whole_vs_unpatched"] = round(unp["s_per_step_whole"] / x["s_per_step_whole"], 3)
     if rounds >= 3:
         add_paired(out_rows, rows, times)
     return out_rows
@@ -452,12 +485,12 @@ def render_markdown(rows: list[dict], header: str = "") -> str:
     paired = any("paired" in r for r in rows)
     lines = [header, ""] if header else []
     extra = " paired per round, vs unpatched [95 % interval] | vs peer / auto vs the best row [95 % interval] |" if paired else ""
-    lines += ["| preset | row | s/step | speed vs unpatched |" + extra +
+    lines += ["| preset | row | s/step | speed vs unpatched | whole run: s/step, vs unpatched |" + extra +
               " cos / rel-L1 vs unpatched | peak VRAM GiB | kernels that ran |",
-              "|---|---|---|---|" + ("---|---|" if paired else "") + "---|---|---|"]
+              "|---|---|---|---|---|" + ("---|---|" if paired else "") + "---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | |" + (" | |" if paired else "") + " | | |")
+            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | | |" + (" | |" if paired else "") + " | | |")
             continue
         kern = r.get("kernels", "") + (f" (auto: {r['auto']})" if r.get("auto") else "")
         cols = ""
@@ -469,7 +502,8 @@ def render_markdown(rows: list[dict], header: str = "") -> str:
             elif "vs_best" in p:
                 other = f"vs {r['best_row']} (best) " + _ci(p["vs_best"])
             cols = f" {_ci(p['vs_unpatched']) if 'vs_unpatched' in p else ''} | {other} |"
-        lines.append(f"| {r['preset']} | {r['row']} | {r['s_per_step']:.4f} | ×{r.get('vs_unpatched', 0):.3f} |{cols} "
+        whole = f" {r['s_per_step_whole']:.4f}, ×{r['whole_vs_unpatched']:.3f} |" if "whole_vs_unpatched" in r else " |"
+        lines.append(f"| {r['preset']} | {r['row']} | {r['s_per_step']:.4f} | ×{r.get('vs_unpatched', 0):.3f} |{whole}{cols} "
                      f"{r['cos']:.5f} / {r['rel_l1']:.4f}{'' if r['finite'] else ' NaN'} | {r.get('peak_gib', '')} | {kern} |")
     return "\n".join(lines)
 

@@ -282,7 +282,7 @@ def test_end_to_end_benchmark_node_on_a_real_model(pack):
     lines = [ln for ln in report.splitlines() if ln.startswith("| Flux |")]
     assert [ln.split(" | ")[1] for ln in lines] == ["unpatched", "sdpa", "sdpa_math", "auto", "peer:sdpa_math"]
     for ln in lines:  # every row exact here: the same latent as unpatched
-        cos, rel_l1 = (float(x) for x in ln.split(" | ")[4].split(" / "))
+        cos, rel_l1 = (float(x) for x in ln.split(" | ")[5].split(" / "))
         assert cos > 0.99999 and rel_l1 < 1e-4
     assert "comfyui 100%" in lines[1] and "sdpa_math 100%" in lines[2] and "×1.000" in lines[0]
     with pytest.raises(ValueError, match="unknown row"):
@@ -322,7 +322,14 @@ def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pac
     assert by["unpatched"]["paired"]["vs_unpatched"] == [1.0, 1.0, 1.0]
     assert "vs_peer" in by["sdpa_math"]["paired"] and "vs_best" in by["auto"]["paired"]
     assert "vs_peer" not in by["auto"]["paired"]
+    for r in rows:  # the whole run holds the first step and both intervals whose median is s/step
+        assert r["s_per_step_whole"] * 3 >= 2 * r["s_per_step"] and r["whole_vs_unpatched"] > 0
+    import comfy.patcher_extension as pe
+
+    _, _, whole = e2e._timed_sample(job.model, job)
+    assert whole > 0 and not job.model.get_wrappers(pe.WrappersMP.SAMPLER_SAMPLE, e2e.TIMER_KEY)  # none left behind
     md = e2e.render_markdown(rows)
+    assert "whole run: s/step, vs unpatched" in md
     assert by["auto"]["best_row"] in ("unpatched", "sdpa_math")
     assert "paired per round" in md and "vs peer ×" in md and f"vs {by['auto']['best_row']} (best) ×" in md
 
@@ -361,7 +368,7 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
     job = e2e.Job(model, pos, neg, torch.zeros(1, 16, 16, 16), steps=3, label="tiny")
     out = e2e.profile_step(model, job)
     assert marks == [("start", 2), ("stop", 3)] and len(calls) == 3
-    assert out == {"step": 2, "device_ms": 0.0, "top": []}
+    assert out == {"step": 2, "device_ms": 0.0, "attention_ms": 0.0, "top": []}
 
 
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):

@@ -29,6 +29,7 @@
 #   e2e-core-720p  the same for Wan 1.3B 720p/81f, the main rows (a call of its own)
 #   e2e-core-wan14 Wan 14B 480p/81f against the core rows
 #   e2e-core-profile  Wan 1.3B 480p/81f: auto, its kernels alone and the Sol-Attn rows, the last (sparse-phase) step profiled
+#   e2e-core-whole Wan 1.3B 480p/81f, 10 steps: whole runs, the dense steps before the sparse schedule's start included
 #   dynamic        ComfyUI 0.33's dynamic (comfy-aimdo) model patcher under Patch Attention: Wan 1.3B 33 frames
 #   vram           peak VRAM of one step of Wan 14B 720p/81f with and without 0.33's attention tensor containers
 #   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux:
@@ -104,6 +105,9 @@ stage_e2e-core-wan14() {
 stage_e2e-core-profile() {  # where auto's time goes against core:sol-attn (the target it misses)
   e2e e2e-core-profile 500 --preset wan-1.3b --steps 2 --profile \
     --rows unpatched,sdpa_cudnn,sparge_topk,kitchen_sol,auto,core:sol-attn
+}
+stage_e2e-core-whole() {
+  e2e e2e-core-whole 500 --preset wan-1.3b --steps 10 --rows unpatched,sdpa_cudnn,kitchen_sol,auto,core:kitchen-int8,core:sol-attn
 }
 stage_dynamic() {
   e2e dynamic 100 --preset wan-1.3b-33f --steps 2 --dynamic-vram --rows unpatched,sage_fp8_sm90,auto
