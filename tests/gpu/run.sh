@@ -30,7 +30,7 @@
 #   e2e-core-wan14 Wan 14B 480p/81f against the core rows
 #   e2e-core-profile  Wan 1.3B 480p/81f: auto, its kernels alone and the Sol-Attn rows, the last (sparse-phase) step profiled
 #   e2e-core-whole Wan 1.3B 480p/81f, 10 steps: whole runs, the dense steps before the sparse schedule's start included
-#                  (e2e-core-whole-720p: Wan 1.3B 720p/81f, 8 steps, the Sol-Attn rows and auto)
+#                  (ROUNDS=n, ROWS=a,b; e2e-core-whole-720p: Wan 1.3B 720p/81f, 8 steps, the Sol-Attn rows and auto)
 #   dynamic        ComfyUI 0.33's dynamic (comfy-aimdo) model patcher under Patch Attention: Wan 1.3B 33 frames
 #   vram           peak VRAM of one step of Wan 14B 720p/81f with and without 0.33's attention tensor containers
 #   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux:
@@ -108,7 +108,8 @@ stage_e2e-core-profile() {  # where auto's time goes against core:sol-attn (the 
     --rows unpatched,sdpa_cudnn,sparge_topk,kitchen_sol,auto,core:sol-attn
 }
 stage_e2e-core-whole() {
-  e2e e2e-core-whole 500 --preset wan-1.3b --steps 10 --rows unpatched,sdpa_cudnn,kitchen_sol,auto,core:kitchen-int8,core:sol-attn
+  e2e e2e-core-whole 500 --preset wan-1.3b --steps 10 --rounds "${ROUNDS:-1}" \
+    --rows "${ROWS:-unpatched,sdpa_cudnn,kitchen_sol,auto,core:kitchen-int8,core:sol-attn}"
 }
 stage_e2e-core-whole-720p() {
   e2e e2e-core-whole-720p 560 --preset wan-1.3b-720p --steps 8 --rows unpatched,kitchen_sol,auto,core:sol-attn
