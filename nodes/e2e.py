@@ -401,6 +401,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["stat"] = stat
         r["s_per_step_runs"] = [round(t, 5) for t in times[row]]
         r["s_per_step_whole"] = round(pick(wholes[row]), 5)
+        r["s_per_step_whole_runs"] = [round(t, 5) for t in wholes[row]]
         if row in peaks:
             r["peak_gib"] = round(peaks[row], 2)
         r["finite"] = bool(torch.isfinite(lat).all())
