@@ -50,6 +50,7 @@ def main(argv=None):
     ap.add_argument("--compile-only", action="store_true", help="only the rows under torch.compile")
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--profile", action="store_true", help="also profile one step per row (top device kernels, in --json)")
+    ap.add_argument("--profile-step", type=int, help="the step to profile (>= 1; default the last)")
     ap.add_argument("--dynamic-vram", action="store_true",
                     help="ComfyUI >= 0.33: the model on a dynamic (comfy-aimdo) model patcher, as 0.33's default")
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
@@ -85,7 +86,7 @@ def main(argv=None):
         job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
         for compile in modes:
-            results += e2e.measure(job, rows, compile=compile, profile=a.profile, rounds=a.rounds, stat=a.stat,
+            results += e2e.measure(job, rows, compile=compile, profile=(a.profile_step or True) if a.profile else False, rounds=a.rounds, stat=a.stat,
                                    progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
             save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
         del job
@@ -111,7 +112,7 @@ def save(a, meta, header, results, e2e, final):
         for r in results:
             if r.get("profile"):
                 pr = r["profile"]
-                md += (f"\n- {r['preset']} {r['row']} (step {pr['step']}: {pr['device_ms']} ms of device kernels, "
+                md += (f"\n- {r['preset']} {r['row']} (step {pr['step']}: {pr.get('wall_ms')} ms wall, {pr['device_ms']} ms of device kernels, "
                        f"{pr['attention_ms']} ms of them attention's): "
                        + "; ".join(f"{n} {ms} ms x{c}" for n, ms, c in pr["top"]))
     if final:

@@ -303,24 +303,28 @@ def kernels_that_ran(model) -> str:
     return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
 
 
-def profile_step(model, job: Job, top: int = 14) -> dict:
-    """The last step of a ``job.steps``-step run under torch.profiler (the step the timing measures once past the
-    sparse schedule's start): ``{"step": i, "device_ms": total, "top": [(name, ms, calls)]}``, the ``top`` device
-    kernels by total time."""
+def profile_step(model, job: Job, top: int = 14, step: int | None = None) -> dict:
+    """One step of a ``job.steps``-step run under torch.profiler: by default the last (the step the timing measures
+    once past the sparse schedule's start), or ``step`` (>= 1).  ``{"step": i, "wall_ms": its time between the
+    synced callbacks, "device_ms": total, "attention_ms": attention's kernels, "top": [(name, ms, calls)]}``, the
+    ``top`` device kernels by total time."""
     from torch.profiler import ProfilerActivity, profile
 
     prof = profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA])
-    last = job.steps - 1
+    last = job.steps - 1 if step is None else min(max(int(step), 1), job.steps - 1)
+    wall = []
 
-    def cb(step, *_):
-        if step == last - 1:
+    def cb(i, *_):
+        if i == last - 1:
             _sync()
+            wall.append(time.perf_counter())
             prof.start()
-        elif step == last:
+        elif i == last:
             _sync()
+            wall.append(time.perf_counter())
             prof.stop()
 
-    if last == 0:
+    if last <= 0:
         prof.start()
         _sample(model, job, 1)
         _sync()
@@ -333,7 +337,8 @@ def profile_step(model, job: Job, top: int = 14) -> dict:
     # stall (the host waiting on the device), not device work
     kernels = [e for e in rows if e.device_type.name == "CUDA" and e.key != "Command Buffer Full"]
     ms = lambda es: round(sum(e.self_device_time_total for e in es) / 1000, 1)  # noqa: E731
-    return {"step": last, "device_ms": ms(kernels), "attention_ms": ms(e for e in kernels if ATTENTION_KERNEL.search(e.key)),
+    return {"step": max(last, 0), "wall_ms": round((wall[1] - wall[0]) * 1000, 1) if len(wall) == 2 else None,
+            "device_ms": ms(kernels), "attention_ms": ms(e for e in kernels if ATTENTION_KERNEL.search(e.key)),
             "top": [(e.key[:90], round(e.self_device_time_total / 1000, 3), e.count) for e in rows[:top]]}
 
 
@@ -407,7 +412,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["finite"] = bool(torch.isfinite(lat).all())
         r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
         if profile:
-            r["profile"] = profile_step(m, job)
+            r["profile"] = profile_step(m, job, step=profile if isinstance(profile, int) and profile is not True else None)
         r["kernels"] = kernels_that_ran(m) or r.get("note") or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
         ov = override_of(m)
         decisions = ov.stats.decisions if ov is not None else {}

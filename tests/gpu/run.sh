@@ -29,6 +29,7 @@
 #   e2e-core-720p  the same for Wan 1.3B 720p/81f, the main rows (a call of its own)
 #   e2e-core-wan14 Wan 14B 480p/81f against the core rows
 #   e2e-core-profile  Wan 1.3B 480p/81f: auto, its kernels alone and the Sol-Attn rows, the last (sparse-phase) step profiled
+#                  (STEPS=n, PROFILE_STEP=i: another step, e.g. a dense one before the sparse start; ROWS=a,b)
 #   e2e-core-whole Wan 1.3B 480p/81f, 10 steps: whole runs, the dense steps before the sparse schedule's start included
 #                  (ROUNDS=n, ROWS=a,b; e2e-core-whole-720p: Wan 1.3B 720p/81f, 8 steps, the Sol-Attn rows and auto)
 #   dynamic        ComfyUI 0.33's dynamic (comfy-aimdo) model patcher under Patch Attention: Wan 1.3B 33 frames
@@ -104,8 +105,8 @@ stage_e2e-core-wan14() {
   e2e e2e-core-wan14 560 --preset wan-14b --steps 2 --rows unpatched,sage_fp8_sm90,kitchen_sol,sparge,auto,core:kitchen-int8,core:sol-attn
 }
 stage_e2e-core-profile() {  # where auto's time goes against core:sol-attn (the target it misses)
-  e2e e2e-core-profile 500 --preset wan-1.3b --steps 2 --profile \
-    --rows unpatched,sdpa_cudnn,sparge_topk,kitchen_sol,auto,core:sol-attn
+  e2e e2e-core-profile 500 --preset wan-1.3b --steps "${STEPS:-2}" --profile ${PROFILE_STEP:+--profile-step $PROFILE_STEP} \
+    --rows "${ROWS:-unpatched,sdpa_cudnn,sparge_topk,kitchen_sol,auto,core:sol-attn}"
 }
 stage_e2e-core-whole() {
   e2e e2e-core-whole 500 --preset wan-1.3b --steps 10 --rounds "${ROUNDS:-1}" \
