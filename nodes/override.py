@@ -222,7 +222,7 @@ class AttentionOverride:
             cfg.sparse_ok = True
         elif self.reads_sparse_phase(ln):
             s = nan_net.as_float(sigma)
-            cfg.sparse_ok = s is None or s <= self.sparse_sigma * (1 + 1e-6)
+            cfg.sparse_ok = s is None or s <= self.sparse_sigma  # core's rule: dense while sigma > the start's sigma
         if self.sparse_backend and not cfg.sparse_ok:
             ln.active = False  # an explicit sparse backend before its schedule: this forward runs dense
 

@@ -178,6 +178,24 @@ def test_the_sparse_schedule_holds_an_explicit_sparse_backend_dense_then_runs_it
     assert ov.stats.calls == {"sdpa": 2, s: 2} and len(calls) == 2
 
 
+def test_the_sparse_schedule_draws_the_boundary_where_core_draws_it(sol):
+    """At the start's own sigma and one float32 ulp either side, the step is sparse exactly when core's Model Sparse
+    Attention runs it sparse (dense while ``float(sigmas[0]) > start``): with the same start_percent the two run the
+    same steps dense, so their latents and times compare (a tolerance here ran one step of ten differently)."""
+    names, calls = sol
+    s = names["kitchen_sol"]
+    start = torch.tensor(0.9697, dtype=torch.float32)
+    below, above = (torch.nextafter(start, torch.tensor(x, dtype=torch.float32)) for x in (0.0, 2.0))
+    q, k, v = _video_call()
+    for sigma in (start, below, above):
+        cfg = A.AttentionConfig(backend=s, options={s: {"min_tokens": 0}}, check_finite="deferred")
+        ov = patch.AttentionOverride(cfg, audit=False, sparse_sigma=float(start))
+        fw = patch.ForwardWrapper(ov)
+        fw(lambda x, t: ov(None, q, k, v, 2, transformer_options={}), None, sigma.reshape(1))
+        core_dense = float(sigma) > float(start)
+        assert ov.stats.calls == ({"sdpa": 1} if core_dense else {s: 1}), float(sigma)
+
+
 def test_auto_with_a_sparse_schedule_chooses_per_phase_and_stops_reading_sigma_without_sparse_choices(sol, monkeypatch):
     names, calls = sol
     s = names["kitchen_sol"]
