@@ -54,7 +54,20 @@ def main(argv=None):
     ap.add_argument("--dynamic-vram", action="store_true",
                     help="ComfyUI >= 0.33: the model on a dynamic (comfy-aimdo) model patcher, as 0.33's default")
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
+    ap.add_argument("--plot-from", nargs="+", metavar="JSON",
+                    help="no benchmark: plot the rows of these --json results (in order) into --png")
     a = ap.parse_args(argv)
+    if a.plot_from:
+        if not a.png:
+            ap.error("--plot-from needs --png")
+        rows, metas = [], []
+        for path in a.plot_from:
+            with open(path) as f:
+                d = json.load(f)
+            rows += d["rows"]
+            metas.append(d["meta"])
+        plot(rows, a.png, {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))})
+        return
 
     sys.path.insert(0, _comfyui())
     from comfy.cli_args import args as comfy_args
@@ -133,24 +146,28 @@ def plot(rows, path, meta):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    presets = list(dict.fromkeys(r["preset"] for r in rows))
+    presets = list(dict.fromkeys((r["preset"], r.get("steps")) for r in rows))  # one panel per run of a preset
     fig, axes = plt.subplots(len(presets), 1, figsize=(9, 0.32 * len(rows) + 1.5 * len(presets)), squeeze=False)
-    for ax, p in zip(axes[:, 0], presets):
-        rs = [r for r in rows if r["preset"] == p and "vs_unpatched" in r]
+    for ax, (p, steps) in zip(axes[:, 0], presets):
+        rs = [r for r in rows if r["preset"] == p and r.get("steps") == steps and "vs_unpatched" in r]
         paired = all("paired" in r for r in rs)
         # with rounds: the paired per-round median and its 95 % interval; else the ratio of the s/step statistic
         vals = [r["paired"]["vs_unpatched"][0] if paired else r["vs_unpatched"] for r in rs]
         err = [[v - r["paired"]["vs_unpatched"][1] for v, r in zip(vals, rs)],
                [r["paired"]["vs_unpatched"][2] - v for v, r in zip(vals, rs)]] if paired else None
-        ax.barh([r["row"] for r in rs], vals, xerr=err, capsize=3,
+        ax.barh([r["row"] for r in rs], vals, xerr=err, capsize=3, label="per step (the first not counted)",
                 color=["#888" if r["row"].startswith("unpatched") else "#c66" if r["row"].startswith("peer:") else "#369" for r in rs])
+        whole = [(i, r["whole_vs_unpatched"]) for i, r in enumerate(rs) if "whole_vs_unpatched" in r]
+        if whole and (steps or 0) >= 6:  # runs long enough to hold a sparse schedule's dense steps
+            ax.plot([w for _, w in whole], [i for i, _ in whole], "kD", ms=4, label="whole run (first steps included)")
+            ax.legend(fontsize=7, loc="lower right")
         ax.axvline(1.0, color="k", lw=0.8)
         ax.invert_yaxis()
-        ax.set_title(f"{p}: speed vs unpatched (higher is faster)" +
+        ax.set_title(f"{p}, {steps} steps: speed vs unpatched (higher is faster)" +
                      (", paired per round, median and 95 % interval" if paired else ""), fontsize=9)
         ax.tick_params(labelsize=7)
     fig.suptitle(f"{meta['gpu']} · torch {meta['torch']} · {meta['date']}", fontsize=9)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.25 / fig.get_figheight()))
     fig.savefig(path, dpi=110)
 
 
