@@ -71,6 +71,7 @@ class Lane:
         self.checked = set()  # (phase, signature) re-checked this run
         self.layer_calls = {}
         self.dense_cache = {}  # layer -> in dense_layers
+        self.refused = {}  # call shape -> why the explicit backend cannot take it (None: it can), over a previous override
 
     def start_run(self) -> None:
         cfg = self.config
@@ -374,7 +375,7 @@ class AttentionOverride:
         if self.passthrough:
             return self._dense_call(ln, func, args, kwargs, a, rest, precise, "sdpa")
         if self.previous is not None and func is not None and cfg.backend != "auto" and cfg.allow_fallback:
-            why = self._refused(cfg, a, rest)
+            why = self._refused(ln, cfg, a, rest)
             if why is not None:  # a shape the kernel does not take: the override applied under ours serves it
                 cfg.stats.count_fallback(cfg.backend, PREVIOUS, why)
                 return self._dense_call(ln, func, args, kwargs, a, rest, precise, "declined")
@@ -398,12 +399,23 @@ class AttentionOverride:
         return out
 
     @staticmethod
-    def _refused(cfg, a, rest):
+    def _refused(ln, cfg, a, rest):
+        """Why the explicit backend cannot take this call (None: it can), once per call shape in the lane: the
+        dispatcher validates the call again when it runs it, so the refusal must not cost a second validation on
+        every call."""
         from ..attention.calls import plan_for, prepare
 
-        spec = prepare(a["q"], a["k"], a["v"], a["heads"], a.get("mask"), bool(a.get("skip_reshape", False)),
-                       rest.get("scale"), bool(rest.get("enable_gqa", False)))[4]
-        return plan_for(REGISTRY.get(cfg.backend), spec)[1]
+        q, k, v, mask = a["q"], a["k"], a["v"], a.get("mask")
+        skip, gqa = bool(a.get("skip_reshape", False)), bool(rest.get("enable_gqa", False))
+        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, a["heads"], skip, gqa,
+               None if mask is None else (mask.shape, mask.dtype))
+        try:
+            return ln.refused[key]
+        except KeyError:
+            pass
+        spec = prepare(q, k, v, a["heads"], mask, skip, rest.get("scale"), gqa)[4]
+        why = ln.refused[key] = plan_for(REGISTRY.get(cfg.backend), spec)[1]
+        return why
 
     @staticmethod
     def layer_calls(ln, layer: int) -> int:

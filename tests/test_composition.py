@@ -194,3 +194,47 @@ def test_tensor_containers_through_comfyuis_hook(pack):
         out = ca.optimized_attention(*conts, 2, transformer_options={KEY: ov})
         assert rel(out, ref) < 1e-5 and all(c.tensor is None for c in conts)
         assert ov.stats.total_calls == 1
+
+
+@pytest.fixture
+def long_only(pack):
+    """A test backend in the pack as ComfyUI loaded it, for one test: it refuses every call shorter than 10**6."""
+    A = pack[0].attention
+    A.REGISTRY.register(A.Backend(name="t_long_only", family="test", fn=lambda q, k, v, **kw: None,
+                                  constraints=(A.constraints.MinSeqLen(q=10**6, kv=1),),
+                                  probe=lambda: A.Availability(True), description="a kernel for very long sequences",
+                                  accuracy="exact", layouts=("HND",)))
+    A.dispatch.clear_plan_cache()
+    yield "t_long_only"
+    A.REGISTRY.unregister("t_long_only")
+    A.dispatch.clear_plan_cache()
+
+
+def test_a_shape_the_kernel_refuses_goes_to_the_previous_override_validated_once_per_shape(pack, long_only, monkeypatch):
+    """Over another override, a call the explicit backend cannot take goes to that override, counted with the reason.
+    The refusal is found once per call shape per sampling lane, not on every call: with ``dense_layers`` on, the lean
+    path is off and every call takes the full path."""
+    mod, mappings = pack
+    A = mod.attention
+    base = tiny_flux()
+    ref = sample(base)
+    seen = []
+
+    def kj_style(func, q, k, v, heads, **kwargs):
+        seen.append(1)
+        return func(q, k, v, heads, **kwargs)
+
+    under = base.clone()
+    under.model_options["transformer_options"][KEY] = kj_style
+    m = patch(mappings, under, long_only, dense_layers="99")
+    prepared = []
+    real = A.calls.prepare
+    monkeypatch.setattr(A.calls, "prepare", lambda *a, **k: (prepared.append(tuple(a[0].shape)), real(*a, **k))[1])
+    out = sample(m)
+    st = stats_of(mod, m)
+    assert st.calls == {"previous override": len(seen)} and len(seen) >= 8
+    assert {(frm, to) for frm, to, _ in st.fallbacks} == {("t_long_only", "previous override")}
+    assert all(why.startswith("query length") and why.endswith("< 1000000") for _, _, why in st.fallbacks)
+    assert sum(st.fallbacks.values()) == len(seen)
+    assert len(prepared) == len(set(prepared)) < len(seen)
+    assert rel(out, ref) < 1e-4

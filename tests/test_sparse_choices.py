@@ -191,7 +191,7 @@ def test_the_sparse_schedule_draws_the_boundary_where_core_draws_it(sol):
         cfg = A.AttentionConfig(backend=s, options={s: {"min_tokens": 0}}, check_finite="deferred")
         ov = patch.AttentionOverride(cfg, audit=False, sparse_sigma=float(start))
         fw = patch.ForwardWrapper(ov)
-        fw(lambda x, t: ov(None, q, k, v, 2, transformer_options={}), None, sigma.reshape(1))
+        fw(lambda x, t, ov=ov: ov(None, q, k, v, 2, transformer_options={}), None, sigma.reshape(1))
         core_dense = float(sigma) > float(start)
         assert ov.stats.calls == ({"sdpa": 1} if core_dense else {s: 1}), float(sigma)
 
