@@ -239,7 +239,8 @@ def _timed_sample(model, job: Job):
     """(latent, seconds per step, seconds per step over the whole run).
 
     The first: the median interval between the sampler's step callbacks (device synced at each), so model loading,
-    conditioning setup and the first step are not counted; with a sparse schedule those are the steps past its start.
+    conditioning setup and the first step are not counted (in a run of 2-3 steps, every step counted is past a sparse
+    schedule's 20 % start).
     The second: from the sampler's start (a ``SAMPLER_SAMPLE`` wrapper, after loading and setup) to its last step,
     over the number of steps: the dense steps before a sparse schedule's start included."""
     import comfy.patcher_extension as pe
@@ -357,8 +358,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
     each time every row once, in turn, so slow drift of the machine (clocks, other tenants) spreads over all rows
     instead of landing on a few.  s/step is the median over rounds of each run's median step, or with ``stat="min"``
     their minimum (on a shared host, contention only adds time: with enough rounds the minimum is the stable
-    estimate of a host-bound row).  ``profile``: also one profiled step per row (top device kernels, in
-    ``row["profile"]``)."""
+    estimate of a host-bound row).  ``profile``: also one profiled step per row (True: the run's last step, an int:
+    that step; top device kernels, in ``row["profile"]``)."""
     pick = {"median": statistics.median, "min": min}[stat]
     if rows[0] != UNPATCHED:
         rows = [UNPATCHED, *[r for r in rows if r != UNPATCHED]]
