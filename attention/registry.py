@@ -206,6 +206,22 @@ class Registry:
 REGISTRY = Registry()
 
 
+def check_bounded_options(opts: dict, bounds: dict, label: str, known=None) -> dict:
+    """A backend's options checked: a name outside ``known`` (default: the bounded names) or a value outside its
+    ``bounds`` entry is a ValueError naming ``label``; returns the options as given."""
+    known = bounds.keys() if known is None else known
+    out = {}
+    for key, val in (opts or {}).items():
+        if key not in known:
+            raise ValueError(f"unknown {label} option {key!r}; known: {', '.join(sorted(known))}")
+        if key in bounds:
+            lo, hi = bounds[key]
+            if not (lo <= float(val) <= hi):
+                raise ValueError(f"{label} {key}={val} out of range [{lo}, {hi}]")
+        out[key] = val
+    return out
+
+
 def import_probe(module: str, *, attr: str | None = None, check: Callable | None = None):
     """A probe that imports ``module`` (and needs ``attr`` in it, and ``check(mod)``)."""
 

@@ -26,7 +26,7 @@ from ..constraints import (
     SameHeadDimV,
     SameSeqLen,
 )
-from ..registry import REGISTRY, Availability, Backend, import_probe
+from ..registry import REGISTRY, Availability, Backend, check_bounded_options, import_probe
 
 SOL_DEFAULTS = {"tau": 1.3, "extra_tokens": 256, "min_tokens": 12288}
 SOL_TOPK_DEFAULTS = {"keep_ratio": 0.1, "extra_tokens": 256, "min_tokens": 12288}
@@ -53,16 +53,9 @@ def _probe():
 
 def check_sol_options(opts: dict) -> dict:
     """Sol-Attn options checked: unknown names and values out of range are a ValueError."""
-    out = {}
-    for key, val in (opts or {}).items():
-        if key not in SOL_BOUNDS:
-            raise ValueError(f"unknown Sol-Attn option {key!r}; known: {', '.join(sorted(SOL_BOUNDS))}")
-        lo, hi = SOL_BOUNDS[key]
-        if not lo <= float(val) <= hi:
-            raise ValueError(f"Sol-Attn {key}={val} out of range [{lo}, {hi}]")
-        if key == "extra_tokens" and int(val) % 64:
-            raise ValueError(f"Sol-Attn extra_tokens={val}: use 0 or a multiple of 64 up to 256")
-        out[key] = val
+    out = check_bounded_options(opts, SOL_BOUNDS, "Sol-Attn")
+    if "extra_tokens" in out and int(out["extra_tokens"]) % 64:
+        raise ValueError(f"Sol-Attn extra_tokens={out['extra_tokens']}: use 0 or a multiple of 64 up to 256")
     return out
 
 
@@ -130,6 +123,7 @@ SOL_CONSTRAINTS = (
     SameHeadDimV(),
     MinSeqLen(q=128, kv=128),  # two 64-token blocks; the per-model min_tokens (declines) is the speed threshold
 )
+
 
 def _sol_entry(name, defaults, topk, accuracy, description):
     REGISTRY.register(

@@ -22,7 +22,7 @@ from ..constraints import (
     MinSeqLen,
     SameHeadDimV,
 )
-from ..registry import REGISTRY, Backend, import_probe
+from ..registry import REGISTRY, Backend, check_bounded_options, import_probe
 
 # The library's own defaults (spas_sage2_attn_meansim_cuda signature).
 DEFAULTS = {"simthreshd1": 0.6, "cdfthreshd": 0.98, "pvthreshd": 50}
@@ -34,16 +34,7 @@ KNOWN_OPTS = {"simthreshd1", "cdfthreshd", "pvthreshd", "topk", "collect_sparsit
 
 def check_options(opts: dict) -> dict:
     """Validate threshold options; unknown names and values out of bounds are a ValueError."""
-    out = {}
-    for key, val in (opts or {}).items():
-        if key not in KNOWN_OPTS:
-            raise ValueError(f"unknown SpargeAttn option {key!r}; known: {', '.join(sorted(KNOWN_OPTS))}")
-        if key in BOUNDS:
-            lo, hi = BOUNDS[key]
-            if not (lo <= float(val) <= hi):
-                raise ValueError(f"SpargeAttn {key}={val} out of range [{lo}, {hi}]")
-        out[key] = val
-    return out
+    return check_bounded_options(opts, BOUNDS, "SpargeAttn", KNOWN_OPTS)
 
 
 def _call(fn_name: str, defaults: dict):
