@@ -99,7 +99,7 @@ def main(argv=None):
         job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
         for compile in modes:
-            results += e2e.measure(job, rows, compile=compile, profile=(a.profile_step or True) if a.profile else False, rounds=a.rounds, stat=a.stat,
+            results += e2e.measure(job, rows, compile=compile, profile=a.profile, profile_step=a.profile_step, rounds=a.rounds, stat=a.stat,
                                    progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
             save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
         del job

@@ -304,7 +304,7 @@ def kernels_that_ran(model) -> str:
     return ", ".join(f"{n} {100 * c / total:.0f}%" for n, c in calls.most_common(3))
 
 
-def profile_step(model, job: Job, top: int = 14, step: int | None = None) -> dict:
+def profile_one_step(model, job: Job, top: int = 14, step: int | None = None) -> dict:
     """One step of a ``job.steps``-step run under torch.profiler: by default the last (the step the timing measures
     once past the sparse schedule's start), or ``step`` (>= 1).  ``{"step": i, "wall_ms": its time between the
     synced callbacks, "device_ms": total, "attention_ms": attention's kernels, "top": [(name, ms, calls)]}``, the
@@ -350,7 +350,7 @@ ATTENTION_KERNEL = re.compile(r"attn|attention|flash|fmha|sdpa|sol_|quant|pool_s
 
 
 def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 2, progress=None,
-            profile: bool = False, rounds: int = 1, stat: str = "median") -> list[dict]:
+            profile: bool = False, profile_step: int | None = None, rounds: int = 1, stat: str = "median") -> list[dict]:
     """Sample ``job`` with each row, unpatched first; returns one dict per row.
 
     Every row's model is built and warmed up first (loading, compiling, tuning ``auto``, the first call of each kernel:
@@ -358,8 +358,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
     each time every row once, in turn, so slow drift of the machine (clocks, other tenants) spreads over all rows
     instead of landing on a few.  s/step is the median over rounds of each run's median step, or with ``stat="min"``
     their minimum (on a shared host, contention only adds time: with enough rounds the minimum is the stable
-    estimate of a host-bound row).  ``profile``: also one profiled step per row (True: the run's last step, an int:
-    that step; top device kernels, in ``row["profile"]``)."""
+    estimate of a host-bound row).  ``profile``: also one profiled step per row (the run's last, or ``profile_step``;
+    top device kernels, in ``row["profile"]``)."""
     pick = {"median": statistics.median, "min": min}[stat]
     if rows[0] != UNPATCHED:
         rows = [UNPATCHED, *[r for r in rows if r != UNPATCHED]]
@@ -413,7 +413,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["finite"] = bool(torch.isfinite(lat).all())
         r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
         if profile:
-            r["profile"] = profile_step(m, job, step=profile if isinstance(profile, int) and profile is not True else None)
+            r["profile"] = profile_one_step(m, job, step=profile_step)
         r["kernels"] = kernels_that_ran(m) or r.get("note") or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
         ov = override_of(m)
         decisions = ov.stats.decisions if ov is not None else {}

@@ -366,12 +366,12 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
     model.set_model_unet_function_wrapper(lambda f, a: (calls.append(1), f(a["input"], a["timestep"], **a["c"]))[1])
     pos, neg = flux_conds()
     job = e2e.Job(model, pos, neg, torch.zeros(1, 16, 16, 16), steps=3, label="tiny")
-    out = e2e.profile_step(model, job)
+    out = e2e.profile_one_step(model, job)
     assert marks == [("start", 2), ("stop", 3)] and len(calls) == 3
     wall = out.pop("wall_ms")
     assert wall > 0 and out == {"step": 2, "device_ms": 0.0, "attention_ms": 0.0, "top": []}
     calls.clear(), marks.clear()
-    assert e2e.profile_step(model, job, step=1)["step"] == 1 and marks == [("start", 1), ("stop", 2)]
+    assert e2e.profile_one_step(model, job, step=1)["step"] == 1 and marks == [("start", 1), ("stop", 2)]
 
 
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
