@@ -30,6 +30,19 @@ def mab():
     return lambda model: ModelAttentionBackend().patch(model, "pytorch attention")[0]
 
 
+def _with_plain_override(model, ran):
+    """A clone of ``model`` with a node pack's plain override on its hook (as KJNodes' Sage patch writes it): it counts
+    its calls in ``ran`` and runs ComfyUI's function."""
+
+    def kj_style_sage_override(func, q, k, v, heads, **kwargs):
+        ran.append(1)
+        return func(q, k, v, heads, **kwargs)
+
+    m = model.clone()
+    m.model_options["transformer_options"][KEY] = kj_style_sage_override
+    return m
+
+
 def _replaced_warnings(records):
     return [r.getMessage() for r in records if r.levelno >= logging.WARNING and "is not on this model's" in r.getMessage()]
 
@@ -79,13 +92,7 @@ def test_another_packs_override_after_patch_attention_replaces_it_and_says_so(pa
     m = patch(mappings, base, "sdpa_math")
     ov = mod.nodes.patch.override_of(m)
     ran = []
-
-    def kj_style_sage_override(func, q, k, v, heads, **kwargs):
-        ran.append(1)
-        return func(q, k, v, heads, **kwargs)
-
-    m2 = m.clone()
-    m2.model_options["transformer_options"][KEY] = kj_style_sage_override
+    m2 = _with_plain_override(m, ran)
     with capture("patch_attention.nodes") as recs:
         sample(m2)
     warn = _replaced_warnings(recs)
@@ -219,14 +226,7 @@ def test_a_shape_the_kernel_refuses_goes_to_the_previous_override_validated_once
     base = tiny_flux()
     ref = sample(base)
     seen = []
-
-    def kj_style(func, q, k, v, heads, **kwargs):
-        seen.append(1)
-        return func(q, k, v, heads, **kwargs)
-
-    under = base.clone()
-    under.model_options["transformer_options"][KEY] = kj_style
-    m = patch(mappings, under, long_only, dense_layers="99")
+    m = patch(mappings, _with_plain_override(base, seen), long_only, dense_layers="99")
     prepared = []
     real = A.calls.prepare
     monkeypatch.setattr(A.calls, "prepare", lambda *a, **k: (prepared.append(tuple(a[0].shape)), real(*a, **k))[1])
