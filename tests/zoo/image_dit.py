@@ -1,0 +1,3 @@
+"""Zoo builders: image_dit."""
+
+from .core import Case, family, unbuilt  # noqa: F401

@@ -1,0 +1,3 @@
+"""Zoo builders: image_unet."""
+
+from .core import Case, family, unbuilt  # noqa: F401

@@ -1,0 +1,3 @@
+"""Zoo builders: other."""
+
+from .core import Case, family, unbuilt  # noqa: F401

@@ -1,0 +1,3 @@
+"""Zoo builders: video."""
+
+from .core import Case, family, unbuilt  # noqa: F401
