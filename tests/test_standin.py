@@ -158,4 +158,5 @@ def test_gpu_stage_dry_run_on_the_cpu(tmp_path):
     assert res["calibration"]["gate"]["floor_psnr"] == rows["unpatched"]["floor_psnr"]
     assert len(res["calibration"]["curve"]) == 4 and "rows-720p" in res
     md = (tmp_path / "quality.md").read_text()
-    assert "## Attention concentration, 480p/81f" in md and "## Calibration (480p)" in md and "rows-720p" in md
+    assert "## Attention concentration, 480p/81f" in md and "## Calibration (480p)" in md
+    assert "## End to end at 480p/81f" in md and "## End to end at 720p/81f" in md and "Exact floor: PSNR" in md

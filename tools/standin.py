@@ -597,6 +597,22 @@ def measure_concentration(patcher, grid, positive, negative, *, steps: int = 10,
     return results
 
 
+def concentration_at(model, x0: torch.Tensor, context: torch.Tensor, sigma: float, *, chunk: int = 1024,
+                     query_stride: int = 1, seed: int = 0) -> list[dict]:
+    """One forward of ``model`` (a ``model_base.WAN21``, no sampler, no model management) on a clip ``x0`` (model
+    space, [1, 16, T, H, W]) noised to ``sigma``, with :func:`concentration_override` on every self-attention call."""
+    results = []
+    grid = tuple(x0.shape[2:])
+    ov = concentration_override(grid, {1}, results, chunk=chunk, query_stride=query_stride)
+    dev = x0.device
+    noise = torch.randn(x0.shape, generator=torch.Generator(device=dev).manual_seed(seed), device=dev)
+    s = torch.full((x0.shape[0],), float(sigma), device=dev)
+    topts = {"optimized_attention_override": ov, "sigmas": s, "sample_sigmas": torch.tensor([1.0, float(sigma), 0.0])}
+    with torch.no_grad():
+        model.apply_model((1 - sigma) * x0 + sigma * noise, s, c_crossattn=context.to(dev), transformer_options=topts)
+    return results
+
+
 # ---------------------------------------------------------------- command line
 
 def pack_module(name: str):

@@ -1,6 +1,7 @@
 """GPU stage ``quality``: train the stand-in, measure its attention, restate the end-to-end rows at a quality.
 
-    OUT=/tmp/out python tests/gpu/quality.py --out $OUT [--budget 500] [--train-seconds 210]
+    OUT=/tmp/out python tests/gpu/quality.py --out $OUT [--budget 460] [--train-seconds 190]
+    python tests/gpu/quality.py --tiny --out /tmp/q    (a dry run of the whole flow on the CPU with a tiny model)
 
 In one process, within ``--budget`` seconds (phases that would not fit are skipped and listed, never cut mid-way by
 this script; the runner's ``timeout`` is the hard stop), results written after every phase:
@@ -8,18 +9,21 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
 1. ``train``: the stand-in (tools/standin.py: ComfyUI's Wan class, Wan 1.3B's layer geometry, 3 blocks) from its seed,
    its attention concentration measured at initialisation first (480p, one forward), then trained for
    ``--train-seconds`` and saved to ``$STANDIN_WEIGHTS`` (default /tmp/standin.safetensors; too big to come back).
-   ``--weights PATH`` with ``--skip-train`` uses an earlier file instead.
+   ``--skip-train`` uses that file as it is (a second call on the same machine, with ``--phases``).
 2. ``load``: through ``comfy.sd.load_diffusion_model``, in bf16 and in fp32 (the quality reference).
 3. ``concentration-480p``: per layer and head, at steps 2, 5 and 8 of a 10-step run (attention.concentration).
 4. ``tune``: Tune Sparse Attention on the stand-in (SpargeAttn and Sol-Attn profiles at the default budget; Sol-Attn
    also at tighter and looser budgets, for the budget calibration).
 5. ``rows-480p``: unpatched, flash_attn4 (if present), sdpa_cudnn, sage_fp8_sm90, sparge, sparge_topk, kitchen_sol,
    core:sol-attn, the tuned profiles and auto; 10 steps; s/step, whole-run s/step, PSNR/SSIM against the fp32 run.
-6. ``calibration-480p``: per-call (cos, rel-L1) of every lossy setting on captured real calls (what auto's gate
-   sees), more settings sampled end to end, and the gate and budget proposed by the rule (attention.calibrate).
-7. ``concentration-720p`` and ``rows-720p``: the same at 720p (8 steps; fp32 reference if it fits).
+6. ``concentration-720p``, then ``rows-720p`` (6 steps): the most telling rows that fit, the fp32 reference if it fits
+   (else the unpatched row).
+7. ``calibration-480p``: per-call (cos, rel-L1) of every lossy setting on captured real calls (what auto's gate sees),
+   more settings sampled end to end as the budget allows (``--sweep``), the gate and budget proposed by the rule
+   (attention.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
 
-Writes ``quality.json``, ``quality.md``, ``quality-frontier.png`` and ``standin-meta.json`` under ``--out``; one line
+Writes ``quality.json``, ``quality.md``, ``quality-rows.json`` (``bench_e2e.py --plot-from`` reads it),
+and ``quality-frontier.png`` (where matplotlib is) under ``--out`` (the stand-in's metadata is in quality.json); one line
 per measured case in the log.
 """
 
@@ -39,15 +43,16 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 MAIN_ROWS = ["unpatched", "flash_attn4", "sdpa_cudnn", "sage_fp8_sm90", "sparge", "sparge_topk", "kitchen_sol",
              "core:sol-attn", "auto"]
 # more settings for the calibration (end to end and per call)
-SWEEP_ROWS = ["kitchen_int8", "sage_fp16_cuda", "kitchen_sol[tau=1.0]", "kitchen_sol[tau=1.6]", "kitchen_sol[tau=2.0]",
-              "kitchen_sol[tau=2.5]", "sparge[cdfthreshd=0.9]", "sparge[cdfthreshd=0.95]", "sparge[cdfthreshd=0.995]",
-              "sparge_topk[topk=0.3]", "sparge_topk[topk=0.7]", "kitchen_sol_topk"]
+SWEEP_ROWS = ["kitchen_sol[tau=1.0]", "kitchen_sol[tau=2.0]", "sparge[cdfthreshd=0.95]", "sparge_topk[topk=0.3]",
+              "kitchen_int8", "kitchen_sol[tau=1.6]", "kitchen_sol[tau=2.5]", "sparge[cdfthreshd=0.9]", "sage_fp16_cuda",
+              "sparge[cdfthreshd=0.995]", "sparge_topk[topk=0.7]", "kitchen_sol_topk"]  # the most telling first
 SOL_BUDGETS = (0.03, 0.15)  # beside the default 0.07
 
 
 class Stage:
-    def __init__(self, out: str, budget: float):
+    def __init__(self, out: str, budget: float, phases=None):
         self.out, self.budget, self.t0 = out, budget, time.perf_counter()
+        self.wanted = set(phases) if phases else None
         self.res = {"phases": {}, "skipped": [], "errors": {}}
         os.makedirs(out, exist_ok=True)
 
@@ -58,6 +63,8 @@ class Stage:
         print(f"[quality {time.perf_counter() - self.t0:6.0f}s] {msg}", flush=True)
 
     def phase(self, name: str, estimate: float, fn):
+        if self.wanted is not None and name not in self.wanted:
+            return None
         if self.left() < estimate:
             why = f"needs ~{estimate:.0f} s, {self.left():.0f} s of the budget left"
             self.res["skipped"].append({"phase": name, "why": why})
@@ -82,6 +89,10 @@ class Stage:
             json.dump(self.res, f, indent=1, default=_json)
         with open(os.path.join(self.out, "quality.md"), "w") as f:
             f.write(render(self.res) + "\n")
+        rows = [r for k in ("rows-480p", "calibration-rows-480p", "rows-720p") for r in self.res.get(k) or []]
+        if rows:  # bench_e2e.py --plot-from quality-rows.json --png x.png draws the frontier where matplotlib is
+            with open(os.path.join(self.out, "quality-rows.json"), "w") as f:
+                json.dump({"meta": self.res.get("meta", {}), "rows": rows}, f, indent=1, default=_json)
 
 
 def _json(o):
@@ -196,7 +207,9 @@ def render(res: dict) -> str:
         L += ["## Training", "", f"{tr.get('parameters_m')} M parameters, geometry {tr['geometry']}; data: {tr['data'][:300]}",
               f"{t['steps']} steps ({t['planned']} planned) in {t['seconds']} s, stopped by {t['stopped_by']}; loss "
               + " → ".join(f"{x['loss']:.4f}@{x['step']}" for x in t["loss"][:: max(1, len(t["loss"]) // 8)]), ""]
-    for key, title in (("concentration-init", "Attention concentration at initialisation (480p, one forward)"),
+    for key, title in (("concentration-init", "Attention concentration at initialisation (480p, one forward on a "
+                                              "training clip at sigma 0.5)"),
+                       ("concentration-trained-clip", "The same forward after training"),
                        ("concentration-480p", "Attention concentration, 480p/81f (32,760 tokens)"),
                        ("concentration-720p", "Attention concentration, 720p/81f (75,600 tokens)")):
         c = res.get(key)
@@ -224,9 +237,11 @@ def render(res: dict) -> str:
         L += [f"| {h['layer']} | {h['head']} | {h['block_share_90']:.3f} | {h['window_mass']:.3f} | {h['spatial_mass']:.3f} | "
               f"{h['temporal_mass']:.3f} | {h['kind']} |" for h in c["heads"]]
         L.append("")
+    titles = {"rows-480p": "End to end at 480p/81f", "calibration-rows-480p": "More settings at 480p/81f (calibration)",
+              "rows-720p": "End to end at 720p/81f"}
     for key in ("rows-480p", "calibration-rows-480p", "rows-720p"):
         if res.get(key + "-md"):
-            L += [f"## {key}", "", res[key + "-md"], ""]
+            L += [f"## {titles[key]}", "", res[key + "-md"], ""]
         if res.get(key + "-targets"):
             L += ["| target | ratio | verdict | detail |", "|---|---|---|---|"]
             for t in res[key + "-targets"]:
@@ -251,7 +266,7 @@ def mode(tiny: bool, sd) -> dict:
     tests/test_standin.py runs it)."""
     if not tiny:
         return {"device": "cuda", "geometry": sd.WAN_1_3B, "g480": sd.PRESETS["480p"], "g720": sd.PRESETS["720p"],
-                "steps480": 10, "steps720": 8, "conc_steps480": (2, 5, 8), "conc_steps720": (2, 5), "calib_steps": {2, 6},
+                "steps480": 10, "steps720": 6, "conc_steps480": (2, 5, 8), "conc_steps720": (2, 4), "calib_steps": {2, 6},
                 "tune_steps": 5, "chunk": 1024, "train": {}, "extra_rows": []}
     return {"device": "cpu", "geometry": sd.TINY, "g480": (3, 8, 12), "g720": (3, 12, 16), "steps480": 4, "steps720": 4,
             "conc_steps480": (1, 2), "conc_steps720": (2,), "calib_steps": {1, 2}, "tune_steps": 2, "chunk": 128,
@@ -288,15 +303,19 @@ def register_dryrun_backend(pack) -> None:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/pa-out"))
-    ap.add_argument("--budget", type=float, default=float(os.environ.get("QUALITY_BUDGET", 500)))
-    ap.add_argument("--train-seconds", type=float, default=float(os.environ.get("TRAIN_SECONDS", 210)))
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("QUALITY_BUDGET", 460)))
+    ap.add_argument("--train-seconds", type=float, default=float(os.environ.get("TRAIN_SECONDS", 190)))
     ap.add_argument("--weights", default=os.environ.get("STANDIN_WEIGHTS", "/tmp/standin.safetensors"))
     ap.add_argument("--skip-train", action="store_true", help="use --weights as they are")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tiny", action="store_true", help="a dry run of the whole flow on the CPU with a tiny model")
     ap.add_argument("--rows", help="comma-separated rows instead of the default main rows (the dry run's test)")
+    ap.add_argument("--phases", help="only these phases (comma-separated; with --skip-train: a second call on the same "
+                                     "machine, e.g. load,rows-720p,calibration-480p)")
+    ap.add_argument("--sweep", type=int, default=int(os.environ.get("QUALITY_SWEEP", 6)),
+                    help="at most this many extra calibration rows (beside the tuned-budget rows)")
     a = ap.parse_args(argv)
-    st = Stage(a.out, a.budget)
+    st = Stage(a.out, a.budget, [p.strip() for p in a.phases.split(",")] if a.phases else None)
 
     sys.path.insert(0, ROOT)
     import bench_e2e as be
@@ -334,7 +353,8 @@ def main(argv=None):
 
     st.res["meta"] = {"gpu": torch.cuda.get_device_name() if dev == "cuda" else "cpu (dry run)", "torch": torch.__version__,
                       "comfyui": comfy_version, "date": datetime.date.today().isoformat(), "budget": a.budget,
-                      "usable": [b.name for b in REG.backends() if b.available]}
+                      "usable": [b.name for b in REG.backends() if b.available],
+                      "tf32_matmul": bool(torch.backends.cuda.matmul.allow_tf32)}
     st.say(f"usable backends: {', '.join(st.res['meta']['usable'])}")
     g480, g720 = M["g480"], M["g720"]
 
@@ -346,29 +366,23 @@ def main(argv=None):
         text_tokens = tr.pop("text_tokens", sd.TEXT_TOKENS)
         data = sd.Data(dev, a.seed, text_tokens, images=tr.pop("images", None))
         st.say(f"data: {data.source[:160]}")
-        import comfy.model_patcher
-
-        d = torch.device(dev)
-        p0 = comfy.model_patcher.ModelPatcher(model, load_device=d, offload_device=d)
-        caps = data.captions
-        pos0, neg0 = [[caps[0][None].cpu(), {}]], [[caps[sd.Data.NEGATIVE][None].cpu(), {}]]
-        init = sd.measure_concentration(p0, g480, pos0, neg0, steps=2, measure=(1,), query_stride=2, chunk=M["chunk"])
+        x0, cls = data.batch(1, g480, torch.Generator().manual_seed(a.seed + 5))
+        init = sd.concentration_at(model, x0, data.captions[int(cls[0])][None], 0.5, query_stride=2, chunk=M["chunk"])
         st.res["concentration-init"] = conc_summary(init, conc)
         o = st.res["concentration-init"]["overall"]
         st.say(f"concentration at init: block share 90 median {o['block_share_90_median']:.3f}, heads within 25 % "
                f"{o['heads_within_target']:.2f}, window mass {o['window_mass_mean']:.3f}, spatial {o['spatial_heads']:.2f}")
         st.write()
-        del p0
         steps = tr.pop("steps", "auto")
         report = sd.train(model, data, steps=steps, seconds=a.train_seconds, seed=a.seed, log=st.say, **tr)
+        after = sd.concentration_at(model, x0, data.captions[int(cls[0])][None], 0.5, query_stride=2, chunk=M["chunk"])
+        st.res["concentration-trained-clip"] = conc_summary(after, conc)  # the same clip and noise, after training
         meta = {"geometry": M["geometry"], "seed": a.seed, "caption_seed": a.seed + 99, "codec_seed": a.seed + 1234,
                 "text_tokens": text_tokens, "prior": True, "data": data.source, "train": report,
                 "grids": [list(gr) + [w] for gr, w in tr.get("grids", sd.GRIDS)], "torch": torch.__version__,
                 "device": st.res["meta"]["gpu"], "priors": priors}
         sd.save(model, a.weights, meta)
-        with open(os.path.join(a.out, "standin-meta.json"), "w") as f:
-            json.dump(meta, f, indent=1)
-        st.res["train"] = {**meta, "priors": None, "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
+        st.res["train"] = {**meta, "parameters_m": round(sum(p.numel() for p in model.parameters()) / 1e6, 1),
                            "file_mib": round(os.path.getsize(a.weights) / 2**20, 1)}
         del model, data
         if dev == "cuda":
@@ -376,6 +390,11 @@ def main(argv=None):
         return True
 
     if a.skip_train:
+        if not os.path.exists(a.weights):
+            st.res["errors"]["load"] = f"no stand-in weights at {a.weights}: run the quality stage first on this machine"
+            st.say(st.res["errors"]["load"])
+            st.write()
+            return st.res
         st.say(f"using {a.weights}")
     elif not st.phase("train", a.train_seconds + 40, train):
         return st.res
@@ -472,24 +491,61 @@ def main(argv=None):
     # 5. the rows at 480p
     base_rows = [r.strip() for r in a.rows.split(",")] if a.rows else MAIN_ROWS[:-1]
     main480 = base_rows + M["extra_rows"] + profile_rows() + ["auto"]
-    est_row = 8.0
-    rows480 = st.phase("rows-480p", est_row * len(main480) + 20, lambda: run_rows("rows-480p", job, main480))
+    est = {"row": 8.0 if dev == "cuda" else 1.0}  # seconds per 480p row (warm-up and timed run), measured below
+    rows480 = st.phase("rows-480p", est["row"] * len(main480) + 20, lambda: run_rows("rows-480p", job, main480))
     if rows480:
         ok = [r for r in rows480 if "warmup_s" in r]
         if ok:
-            est_row = max(3.0 if dev == "cuda" else 0.5,
-                          sum(r["warmup_s"] + 1.2 * r["s_per_step_whole"] * job.steps for r in ok) / len(ok))
+            est["row"] = max(3.0 if dev == "cuda" else 0.5,
+                             sum(r["warmup_s"] + 1.2 * r["s_per_step_whole"] * job.steps for r in ok) / len(ok))
 
-    # 6. calibration at 480p
+    # 6. 720p: concentration, then the most telling rows as the budget allows (calibration needs ~60 s after them)
+    def conc720():
+        r = sd.measure_concentration(job.model, g720, pos, neg, steps=M["steps720"], measure=M["conc_steps720"],
+                                     query_stride=2, chunk=M["chunk"])
+        st.res["concentration-720p"] = conc_summary(r, conc)
+        o = st.res["concentration-720p"]["overall"]
+        st.say(f"concentration 720p: block share 90 median {o['block_share_90_median']:.3f}, heads within 25 % "
+               f"{o['heads_within_target']:.2f}, window mass {o['window_mass_mean']:.3f}, spatial {o['spatial_heads']:.2f}")
+        return True
+
+    st.phase("concentration-720p", 30, conc720)
+    per720 = est["row"] * (3.0 if dev == "cuda" else 1.5) * M["steps720"] / M["steps480"]  # attention ~ tokens^2
+    order = ["unpatched", "sdpa_cudnn", "kitchen_sol", "core:sol-attn", "auto", "sage_fp8_sm90", "flash_attn4"]
+    rows720 = sorted([r for r in base_rows + M["extra_rows"] + profile_rows() + ["auto"] if usable(r)],
+                     key=lambda r: order.index(r) if r in order else len(order))
+    auto_tune720 = 50.0 if dev == "cuda" else 0.0  # auto measures its candidates on 75,600-token calls: ~2 signatures
+    cost, fit = 0.0, 0
+    for r in rows720:
+        c = per720 + (auto_tune720 if r == "auto" else 0.0)
+        if cost + c > st.left() - 70:
+            break
+        cost, fit = cost + c, fit + 1
+    if st.wanted is None or "rows-720p" in st.wanted:
+        if fit >= 3:
+            if fit < len(rows720):
+                st.res["skipped"].append({"phase": "rows-720p: " + ", ".join(rows720[fit:]),
+                                          "why": f"{fit} of {len(rows720)} rows fit the budget"})
+                rows720 = rows720[:fit]
+            job720 = be.standin_job(e2e, a.weights, "standin-720p", dev, g720)
+            job720.steps = M["steps720"]
+            if st.left() - 70 < cost + 4 * per720:
+                job720.reference = None  # the fp32 run does not fit: the unpatched row is the reference
+                st.say("rows-720p: the unpatched row is the reference (no time for the fp32 run)")
+            st.phase("rows-720p", 0.8 * per720 * len(rows720), lambda: run_rows("rows-720p", job720, rows720))
+        else:
+            st.res["skipped"].append({"phase": "rows-720p", "why": f"{st.left():.0f} s left"})
+
+    # 7. calibration at 480p: per-call numbers of every lossy setting, extra rows as the budget allows, the proposals
     def calibration():
         calls = capture_calls(sd, job.model, g480, pos, neg, M["steps480"], M["calib_steps"])
         st.say(f"calibration: {len(calls)} self-attention calls captured (steps {sorted(M['calib_steps'])})")
-        sweep = [r for r in SWEEP_ROWS if usable(r)]
+        sweep = [r for r in SWEEP_ROWS if usable(r)][: a.sweep]
         budget_rows = [f"kitchen_sol[profile={profiles[('kitchen_sol', b)]}]" for b in SOL_BUDGETS if ("kitchen_sol", b) in profiles]
         lossy_main = [r for r in (rows480 or []) if "psnr" in r and not r.get("exact") and r["row"] not in ("auto",)
                       and not r["row"].startswith("core:")]
         per_call = {}
-        for row in [r["row"] for r in lossy_main] + sweep + budget_rows:
+        for row in [r["row"] for r in lossy_main] + budget_rows + sweep:
             try:
                 per_call[row] = per_call_accuracy(pack, calls, row, e2e)
                 pc = per_call[row]
@@ -501,8 +557,11 @@ def main(argv=None):
         if dev == "cuda":
             torch.cuda.empty_cache()
         st.res["per_call"] = per_call
-        left_rows = max(0, int((st.left() - 60) // est_row))
+        left_rows = max(0, int((st.left() - 25) // est["row"]))
         extra = (["unpatched", "sdpa_cudnn" if dev == "cuda" else "sdpa_math"] + budget_rows + sweep)[:left_rows]
+        if len(extra) < 2 + len(budget_rows + sweep):
+            st.res["skipped"].append({"phase": "calibration rows: " + ", ".join((budget_rows + sweep)[len(extra) - 2:]),
+                                      "why": f"{left_rows} rows fit the budget"})
         res = run_rows("calibration-rows-480p", job, extra) if len(extra) > 2 else []
         pts = {}
         for r in list(rows480 or []) + list(res):
@@ -530,37 +589,11 @@ def main(argv=None):
         st.res["calibration-md"] = cal.render_markdown(points, gate, budgets, curve) + "\n\nTuning budget by tolerance: " + \
             "; ".join(f"{b['tolerance_db']:g} dB: {b['budget']}" for b in budget_curve)
         st.say(f"calibration: floor {floor:.2f} dB; rule's setting {gate['target']}; proposed gate cos >= "
-               f"{gate['min_cos']}, rel-L1 <= {gate['max_rel_l1']}; budget {budgets['budget']}")
+               f"{gate['min_cos']}, rel-L1 <= {gate['max_rel_l1']}; budget {budgets['budget']}; by tolerance: "
+               + "; ".join(f"{c['tolerance_db']:g} dB -> {c['target']}" for c in curve))
         return True
 
-    st.phase("calibration-480p", 60 + 3 * est_row, calibration)
-
-    # 7. 720p
-    def conc720():
-        r = sd.measure_concentration(job.model, g720, pos, neg, steps=M["steps720"], measure=M["conc_steps720"],
-                                     query_stride=2, chunk=M["chunk"])
-        st.res["concentration-720p"] = conc_summary(r, conc)
-        o = st.res["concentration-720p"]["overall"]
-        st.say(f"concentration 720p: block share 90 median {o['block_share_90_median']:.3f}, heads within 25 % "
-               f"{o['heads_within_target']:.2f}, window mass {o['window_mass_mean']:.3f}, spatial {o['spatial_heads']:.2f}")
-        return True
-
-    st.phase("concentration-720p", 45, conc720)
-    scale720 = 3.5 if dev == "cuda" else 1.5  # per step, 720p against 480p (attention grows with the square of the tokens)
-    rows720 = [r for r in base_rows + M["extra_rows"] + profile_rows() + ["auto"] if usable(r)]
-    fit = int((st.left() - 40) // (est_row * scale720 * 0.8))
-    if fit >= 3:
-        if fit < len(rows720):  # the most telling rows first
-            order = ["unpatched", "sdpa_cudnn", "auto", "kitchen_sol", "core:sol-attn", "sage_fp8_sm90", "flash_attn4"]
-            rows720 = sorted(rows720, key=lambda r: order.index(r) if r in order else len(order))[:fit]
-            st.res["skipped"].append({"phase": "rows-720p (some rows)", "why": f"{fit} rows fit the budget"})
-        job720 = be.standin_job(e2e, a.weights, "standin-720p", dev, g720)
-        job720.steps = M["steps720"]
-        if st.left() < est_row * scale720 * (len(rows720) + 3):
-            job720.reference = None  # the fp32 run does not fit: the unpatched row is the reference
-        st.phase("rows-720p", est_row * scale720 * len(rows720) * 0.8, lambda: run_rows("rows-720p", job720, rows720))
-    else:
-        st.res["skipped"].append({"phase": "rows-720p", "why": f"{st.left():.0f} s left"})
+    st.phase("calibration-480p", 25, calibration)
 
     try:
         pts = [r for k in ("rows-480p", "calibration-rows-480p", "rows-720p") for r in st.res.get(k) or []]
