@@ -142,11 +142,17 @@ def test_gpu_stage_dry_run_on_the_cpu(tmp_path):
     """tests/gpu/quality.py --tiny: the H100 stage's whole flow (train, load, concentration, rows, calibration, 720p)
     on the CPU with a tiny model, so that the one H100 run does not fail on a bug a CPU can find."""
     comfy()
+    from comfy.cli_args import args
+
     spec = importlib.util.spec_from_file_location("pa_quality_stage", os.path.join(ROOT, "tests", "gpu", "quality.py"))
     stage = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(stage)
-    res = stage.main(["--tiny", "--out", str(tmp_path), "--budget", "900", "--train-seconds", "60",
-                      "--weights", str(tmp_path / "w.safetensors"), "--rows", "unpatched"])
+    smart = args.disable_smart_memory  # the stage sets it, as bench_e2e.py does: restored for the other tests
+    try:
+        res = stage.main(["--tiny", "--out", str(tmp_path), "--budget", "900", "--train-seconds", "60",
+                          "--weights", str(tmp_path / "w.safetensors"), "--rows", "unpatched"])
+    finally:
+        args.disable_smart_memory = smart
     assert not res["errors"], res["errors"]
     assert res["train"]["train"]["steps"] == 6
     for key in ("concentration-init", "concentration-480p", "concentration-720p"):
