@@ -26,7 +26,7 @@ import torch
 
 from ..attention import REGISTRY
 from ..attention.auto import accuracy
-from ..attention.quality import AT_FLOOR, compare, verdict
+from ..attention.quality import AT_FLOOR, compare, psnr, verdict
 from .patch import SPARSE_START, override_of, patch_model
 
 log = logging.getLogger("patch_attention.e2e")
@@ -462,6 +462,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["finite"] = bool(torch.isfinite(lat).all())
         r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
         r["exact"] = is_exact_row(row)
+        if ref is not None:  # the issue's pairwise check: two exact kernels' outputs against each other
+            r["psnr_vs_unpatched"] = psnr(lat, ref.float())
         if quality_ref is not None:
             r.update(compare(lat, quality_ref))
             r["reference"] = quality_label
@@ -626,6 +628,10 @@ def render_markdown(rows: list[dict], header: str = "") -> str:
                 "the other exact rows against the unpatched one: two exact kernels' difference")
         lines += ["", f"Exact floor: PSNR {_db(floor)} dB against {ref} ({what}). Rows '{AT_FLOOR}' are as close to "
                       "the reference as an exact kernel is."]
+        pairs = [r for r in rows if r.get("exact") and "psnr_vs_unpatched" in r and not r["row"].startswith(UNPATCHED)]
+        if ref != UNPATCHED and pairs:
+            lines.append("Exact kernels against the unpatched one (PSNR): " +
+                         ", ".join(f"{r['row']} {_db(r['psnr_vs_unpatched'])} dB" for r in pairs) + ".")
     return "\n".join(lines)
 
 
