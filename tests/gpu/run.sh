@@ -2,7 +2,7 @@
 # The GPU runner: one script, named stages, logs and results under $OUT.
 #   bash tests/gpu/run.sh STAGE [STAGE ...]        (from the repo root, on the CUDA machine)
 #
-# Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz (SageAttention2 + SpargeAttn built by install.py
+# Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz or kernels.tar.xz (SageAttention2 + SpargeAttn built by install.py
 # for this GPU, torch and Python), kitchen-<version>.tar.xz (comfy-kitchen's package, its ROCm library left out; the
 # newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
 # torchsde, trampoline, comfy-aimdo), .src (the pinned upstream archives, <commit>.tar.gz, made by
@@ -53,6 +53,7 @@ stage_env() {
   local carry=${CARRY:-.build/gpu}
   mkdir -p /tmp/kern
   [ -f "$carry/kernels.tgz" ] && tar xzf "$carry/kernels.tgz" -C /tmp/kern
+  [ -f "$carry/kernels.tar.xz" ] && tar xJf "$carry/kernels.tar.xz" -C /tmp/kern
   for k in "$carry"/kitchen-*.tar.xz; do
     [ -f "$k" ] || continue
     local v; v=$(basename "$k" .tar.xz); v=${v#kitchen-}
