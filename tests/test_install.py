@@ -54,7 +54,8 @@ def actions(steps):
 def test_hopper_with_toolkit_builds_sage2_and_sparge_with_the_gcc13_fix():
     steps = inst.plan(machine())
     a = actions(steps)
-    assert a == {"sageattention": "build", "sageattn3": "skip", "spas_sage_attn": "build", "comfy_kitchen": "wheel"}
+    assert a == {"sageattention": "build", "sageattn3": "skip", "spas_sage_attn": "build", "flash_attn4": "wheel",
+                 "comfy_kitchen": "wheel"}
     sage = next(s for s in steps if s.kernel == "sageattention")
     sparge = next(s for s in steps if s.kernel == "spas_sage_attn")
     assert sage.env["TORCH_CUDA_ARCH_LIST"] == "9.0" and sparge.env["TORCH_CUDA_ARCH_LIST"] == "9.0"
@@ -130,8 +131,14 @@ def test_machines_with_nothing_to_build(m, text):
     assert "nothing to install" in inst.render_plan(mm, steps)
 
 
+def fa4_installed(cuda=13):
+    """What a Linux machine holds after install.py put FlashAttention-4 there (torch >= 2.10 brings cuda-bindings)."""
+    have = {d.name: d.version for d in (*inst.FA4_SET, inst.FA4_LIBS[cuda])}
+    return {**have, "einops": "0.8.2", "cuda-bindings": inst.CUDA_BINDINGS[cuda].version, "cuda-pathfinder": "1.9.0"}
+
+
 def test_second_run_has_nothing_to_do():
-    m = machine(installed={"sageattention": "2.2.0", "spas_sage_attn": "0.1.0", "comfy-kitchen": "0.2.40"},
+    m = machine(installed={"sageattention": "2.2.0", "spas_sage_attn": "0.1.0", "comfy-kitchen": "0.2.40", **fa4_installed()},
                 sage_modules={"_qattn_sm80": True, "_qattn_sm89": True, "_qattn_sm90": True, "_fused": True})
     steps = inst.plan(m)
     assert {s.action for s in steps} <= {"ok", "skip"}
