@@ -173,13 +173,23 @@ def test_windows_gets_the_reason_before_any_import(monkeypatch):
     assert not av.ok and av.reason == "FlashAttention-4 runs on Linux only (it imports fcntl, which Windows lacks)"
 
 
-def test_backends_info_shows_the_probe_reason():
-    from attention import report_rows
+def test_backends_info_says_why_not_and_whether_this_gpu_could_run_it(monkeypatch):
+    from attention import report, report_rows
 
-    row = next(r for r in report_rows() if r["backend"] == "flash_attn4")
-    av = REGISTRY.get("flash_attn4").availability()
-    assert row["installed"] == av.ok and (av.ok or row["why_not"] == av.reason)
-    assert "on sm 9.x" in row["supports"]
+    b = REGISTRY.get("flash_attn4")
+    monkeypatch.setattr(b, "_avail", Availability(False, "flash-attn-4 is not installed (install.py installs it ...)"))
+    ada = report.row(b, spec(cc=(8, 9), dtype=torch.float16))
+    assert not ada["installed"] and not ada["usable"]
+    assert ada["why_not"] == ("flash-attn-4 is not installed (install.py installs it ...); this GPU could not run it "
+                              "anyway: needs compute capability 9.0 or 10.0 or 10.1 or 10.3 or 11.0, this GPU is 8.9")
+    hopper = report.row(b, spec(cc=(9, 0), dtype=torch.float16))
+    assert hopper["why_not"] == "flash-attn-4 is not installed (install.py installs it ...)"
+    monkeypatch.setattr(b, "_avail", Availability(True, version="4.0.0b36"))
+    assert report.row(b, spec(cc=(9, 0), dtype=torch.float16))["usable"]
+    assert "masks: none" in report.row(b, spec(cc=(9, 0), dtype=torch.float16))["supports"]
+    monkeypatch.setattr(b, "_avail", None)
+    [r] = [r for r in report_rows() if r["backend"] == "flash_attn4"]  # this machine: its real probe
+    assert r["installed"] == b.availability().ok and (r["installed"] or r["why_not"].startswith(b.availability().reason))
 
 
 # ------------------------------------------------------------------ auto pays a JIT compile once, untimed, unbudgeted
