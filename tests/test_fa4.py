@@ -162,6 +162,11 @@ def test_not_installed_and_incomplete_installs_say_what_to_do(fake_fa4, tmp_path
     assert not got["ok"] and got["reason"].startswith("flash-attn-4 is not installed (install.py installs it")
     import shutil
 
+    # the DSL's Python package without its compiled libraries (nvidia-cutlass-dsl-libs-base and -cu12/-cu13)
+    (fake_fa4 / "nvidia_cutlass_dsl" / "dsl_packages" / "cutlass" / "__init__.py").write_text(
+        "from ._mlir._mlir_libs import _cutlass_ir\n")
+    got = _probe_in(fake_fa4, fake_fa4 / "nvidia_cutlass_dsl" / "dsl_packages")
+    assert not got["ok"] and got["reason"].startswith("the CuTe DSL is incomplete (no module cutlass._mlir)")
     shutil.rmtree(fake_fa4 / "nvidia_cutlass_dsl")
     got = _probe_in(fake_fa4)
     assert not got["ok"] and "installed without nvidia-cutlass-dsl" in got["reason"] and "install.py" in got["reason"]

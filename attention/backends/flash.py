@@ -101,6 +101,10 @@ def _fa4_probe() -> Availability:
             if folder is None:
                 return Availability(False, "flash-attn-4 is installed without nvidia-cutlass-dsl and its libraries "
                                            "(run install.py to add the pinned set)")
+            if missing != "cutlass":
+                return Availability(False, f"the CuTe DSL is incomplete (no module {missing}): it needs "
+                                           "nvidia-cutlass-dsl-libs-base and the -libs-cu12 or -libs-cu13 of torch's "
+                                           "CUDA (run install.py to add the pinned set)")
         return Availability(False, f"import flash_attn.cute failed: ModuleNotFoundError: {e}")
     except Exception as e:  # a probe never takes the pack down
         first = str(e).splitlines()[0] if str(e) else ""
