@@ -893,6 +893,10 @@ def fa4_step(m: Machine, force: bool) -> Step:
         todo = want + extra
         reason = (f"pinned wheels from PyPI, sha256-checked, --no-deps: flash-attn-4 {FA4_SET[0].version} with the CuTe "
                   f"DSL's CUDA {major} libraries")
+    replaced = [f"{d.name} {m.installed[d.name]} -> {d.version}" for d in todo
+                if d.name in m.installed and m.installed[d.name] != d.version]
+    if replaced:
+        reason += "; replaces " + ", ".join(replaced)
     bindings = m.installed.get("cuda-bindings")
     if bindings and _version3(bindings)[0] > major:  # the DSL refuses to start on a driver older than its bindings' CUDA
         reason += f" (cuda-bindings {bindings} is installed: the CuTe DSL then needs a CUDA {_version3(bindings)[0]} driver)"

@@ -736,7 +736,11 @@ def test_fa4_already_there_is_kept_an_incomplete_set_is_completed_and_force_rein
     assert s.action == "wheel" and s.dists == ["quack-kernels==0.6.5", "nvidia-cutlass-dsl-libs-cu13==4.8.1"]
     assert "is installed without quack-kernels, nvidia-cutlass-dsl-libs-cu13" in s.reason
     s = step(inst.plan(machine(installed=full), force=True), "flash_attn4")
-    assert s.action == "wheel" and len(s.dists) == len(inst.FA4_SET) + 1
+    assert s.action == "wheel" and len(s.dists) == len(inst.FA4_SET) + 1 and "replaces" not in s.reason
+    # another version of a member that is there (a CuTe DSL another tool installed) is replaced, and the plan says so
+    s = step(inst.plan(machine(installed={"nvidia-cutlass-dsl": "4.3.0", "einops": "0.8.2", "cuda-bindings": "13.0.3"})),
+             "flash_attn4")
+    assert s.reason.endswith("; replaces nvidia-cutlass-dsl 4.3.0 -> 4.8.1")
 
 
 def test_every_pinned_file_is_of_its_dist_and_version_and_every_accepted_platform_has_one():
