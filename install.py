@@ -353,7 +353,6 @@ _PINNED_DISTS = (
     )),
     PinnedDist("cuda-pathfinder", "1.4.2", (("cuda_pathfinder-1.4.2-py3-none-any.whl",
                                   "eb354abc20278f8609dc5b666a24648655bef5613c6dfe78a238a6fd95566754"),)),
-
 )
 PINNED_DISTS = {(d.name, d.version): d for d in _PINNED_DISTS}
 _BY_NAME = {}
@@ -1338,7 +1337,9 @@ def main(argv=None) -> int:
     # a kernel leaves the pack working on SDPA.
     asked = named | set(sources)
     ready = {s.kernel for s in steps if s.action in ("ok", "build", "wheel")}
-    refused = sorted(asked - ready)
+    # --sage-source asks for SageAttention 2 (its tree also holds SageAttention3, built only where a GPU takes it)
+    refused = sorted((named | {k for k, v in (("sageattention", a.sage_source), ("spas_sage_attn", a.sparge_source)) if v})
+                     - ready)
     if refused and not a.dry_run:
         print(f"cannot install what was asked for: {', '.join(refused)} (the plan above says why)")
     if a.dry_run:

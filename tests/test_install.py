@@ -859,3 +859,12 @@ def test_named_kernels_that_are_skipped_on_a_gpu_machine_exit_non_zero_after_the
     assert inst.main(["--only", "flash_attn4,xformers", "--yes"]) == 1  # FA4 cannot run on sm 8.9
     assert ran == ["xformers"] and "cannot install what was asked for: flash_attn4" in capsys.readouterr().out
     assert inst.main(["--only", "xformers", "--yes"]) == 0
+    # a source tree for SageAttention asks for SageAttention 2; its SageAttention3 half is skipped on sm 8.9, no error
+    monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(RTX4090,), installed=fa4_installed()))
+    ran.clear()
+    assert inst.main(["--sage-source", "/src/Sage", "--yes"]) == 0 and "sageattention" in ran
+    capsys.readouterr()
+    assert inst.main(["--sparge-source", "/src/Sparge", "--yes"]) == 0
+    monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(B200,), installed=fa4_installed()))
+    assert inst.main(["--sparge-source", "/src/Sparge", "--yes"]) == 1  # SpargeAttn stops at sm 9.0
+    assert "cannot install what was asked for: spas_sage_attn" in capsys.readouterr().out
