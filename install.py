@@ -250,7 +250,7 @@ class PinnedDist:
         return f"{self.name}=={self.version} " + " ".join(f"--hash=sha256:{sha}" for _, sha in self.files)
 
 
-# FlashAttention-4 and what it imports, hashes from PyPI's JSON API (read 2026-11-24). Installed with --no-deps as one
+# FlashAttention-4 and what it imports, hashes from PyPI's JSON API (read 2026-11-23). Installed with --no-deps as one
 # explicit list: pip never resolves (so never reaches torch), and exactly this set is what runs. nvidia-cutlass-dsl's
 # metadata requires its cu12 libraries whatever the CUDA; the set takes the libraries of torch's CUDA major only (the
 # DSL loads the newest flavor the driver supports: with torch's, that is the one torch runs on). protobuf, which the
@@ -366,7 +366,7 @@ FA4_IF_MISSING = (_BY_NAME["einops"],)
 CUDA_BINDINGS = {12: PINNED_DISTS[("cuda-bindings", "12.9.4")], 13: PINNED_DISTS[("cuda-bindings", "13.0.3")]}
 CUDA_PATHFINDER = _BY_NAME["cuda-pathfinder"]  # cuda-bindings 12.9/13.0 need cuda-pathfinder ~= 1.1
 FA4_PYTHONS = ((3, 10), (3, 14))  # every dist of the set has a wheel for these (no free-threaded build of them all)
-FA4_VERIFIED = ("2026-11-24: hashes from PyPI; the cp312 x86_64 CUDA 13 set ran flash_attn4 on the H100 (torch 2.11+cu130, "
+FA4_VERIFIED = ("2026-11-23: hashes from PyPI; the cp312 x86_64 CUDA 13 set ran flash_attn4 on the H100 (torch 2.11+cu130, "
                 "which brings cuda-bindings 13); the CUDA 12 set and the added cuda-bindings not run on hardware yet")
 FA4_DIST_NAMES = tuple(sorted({d.name for d in _PINNED_DISTS}))
 
