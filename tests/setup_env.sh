@@ -72,8 +72,9 @@ for tgz in $sorted; do
     tar xzf "$tgz" -C "$dest"
     # GitHub's release archives hold ComfyUI-<version>/ (or ComfyUI-<commit>/) instead of ComfyUI/
     if [ ! -f "$dest/ComfyUI/main.py" ]; then
-      top=$(tar tzf "$tgz" | head -1 | cut -d/ -f1)
-      [ -n "$top" ] && [ -f "$dest/$top/main.py" ] && mv "$dest/$top" "$dest/ComfyUI"
+      for top in "$dest"/*/main.py; do
+        [ -f "$top" ] && mv "$(dirname "$top")" "$dest/ComfyUI" && break
+      done
     fi
     [ -f "$dest/ComfyUI/main.py" ] || { echo "setup_env: $tgz holds no ComfyUI (no main.py at its top folder)" >&2; exit 1; }
   fi
