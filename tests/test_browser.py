@@ -63,6 +63,7 @@ LOAD = """
 const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
 (async () => {
   try {
+    if (window.app.clean) window.app.clean();  // the previous workflow's queue errors would outline this one's nodes
     await window.app.loadGraphData(wf);
     await new Promise(r => setTimeout(r, 500));
     const reg = window.LiteGraph.registered_node_types;
@@ -70,7 +71,8 @@ const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
     const nodes = window.app.graph._nodes.map(n => ({
       id: n.id, type: n.type, registered: !!reg[n.type], built: !!n.constructor.comfyClass,
       box: [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title],
-      values: (n.widgets || []).map(w => w.value)}));
+      values: (n.widgets || []).map(w => w.value),
+      inputs: (n.inputs || []).map(i => [i.name, i.label || null])}));
     const dialogs = [...document.querySelectorAll('.p-dialog, .comfy-modal')]
       .filter(d => d.offsetParent !== null).map(d => d.innerText.slice(0, 300));
     window.app.canvas.ds.scale = 0.62; window.app.canvas.ds.offset = [10, 10];
@@ -101,6 +103,11 @@ def test_workflow_in_the_real_frontend(browser, path):
     for n in res["nodes"]:
         nid = str(n["id"])
         assert n["values"] == want[nid], f"{n['type']} #{nid}: widgets {n['values']} != JSON {want[nid]}"
+    # the settings input shows the name the settings nodes' outputs have (its id in saved workflows stays)
+    for n in res["nodes"]:
+        for slot, label in n["inputs"]:
+            if n["type"] == "PatchAttention" and slot == "sparge_settings":
+                assert label == "sparse_settings", n["inputs"]
     boxes = res["nodes"]
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:

@@ -48,6 +48,7 @@ IO = {
     "Note": ([], ["text"], []),
 }
 OPTIONAL_LINKS = {("PatchAttention", "sparge_settings")}
+LABELS = {("PatchAttention", "sparge_settings"): "sparse_settings"}  # the input's display name, saved as the frontend does
 UI_ONLY = {"Note"}  # not in the API format
 SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after generate" value in the UI format
 
@@ -325,10 +326,12 @@ def to_ui(graph):
         inputs = []
         for name, t in link_ins:
             link = next((lid_ for lid_, s, sl, d, n in links if d == nid and n == name), None)
+            slot = {"name": name, "type": t, "link": link}
+            if (typ, name) in LABELS:
+                slot["label"] = LABELS[(typ, name)]
             if (typ, name) in OPTIONAL_LINKS:
-                inputs.append({"name": name, "type": t, "link": link, "shape": 7})
-            else:
-                inputs.append({"name": name, "type": t, "link": link})
+                slot["shape"] = 7
+            inputs.append(slot)
         outputs = [{"name": n, "type": t, "links": out_links.get((nid, k), []), "slot_index": k} for k, (n, t) in enumerate(outs)]
         pos, size = place[nid]
         node = {"id": nid, "type": typ, "pos": pos, "size": size, "flags": {}, "order": order, "mode": mode,
@@ -356,14 +359,43 @@ WORKFLOWS = {
 }
 
 
-def thumbnails(shots: str, width: int = 640):
-    from PIL import Image
+# What a template's card says under its title: frontend 1.49 shows a custom node pack's template as its thumbnail and
+# file name only, so the thumbnail carries the description.
+DESCRIPTIONS = {
+    "SD 1.5 image 512px": "SD 1.5, 512x512, 20 steps. Patch Attention set to auto; the note says what each input does.",
+    "SDXL image 1024px": "SDXL, 1024x1024, 25 steps. Patch Attention set to auto; the note says what each input does.",
+    "Flux.1 dev image 1024px": f"Flux.1 dev, 1024x1024. auto ran {MEASURED['flux']} per step on an H100 "
+                               "(ComfyUI 0.33).",
+    "Wan 2.1 video 480p 81 frames": f"Wan 2.1 1.3B text to video, 480p, 81 frames. auto ran {MEASURED['wan']} "
+                                    "over a whole run on an H100 (ComfyUI 0.33).",
+    "Wan 2.1 sparse attention tuning": "Wan 2.1: tune sparse attention per layer in one run, then sample with the "
+                                       "profile in the next.",
+}
 
+
+def thumbnails(shots: str, size: int = 512):
+    """workflows/<name>.jpg: the graph (from tests/test_browser.py's screenshot) above the template's description."""
+    import textwrap
+
+    from PIL import Image, ImageChops, ImageDraw, ImageFont
+
+    band = 150
+    font = ImageFont.load_default(size=26)
     for name in WORKFLOWS:
-        img = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
-        img = img.crop((60, 60, min(img.width, 1900), min(img.height, 1250)))  # the canvas, without the side bar
-        img.thumbnail((width, width))
-        img.save(os.path.join(OUT, f"{name}.jpg"), quality=85)
+        shot = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
+        shot = shot.crop((60, 60, min(shot.width, 1900), min(shot.height, 1250)))  # the canvas, without the side bar
+        box = ImageChops.difference(shot, Image.new("RGB", shot.size, shot.getpixel((shot.width - 1, shot.height - 1))))
+        bbox = box.convert("L").point(lambda v: 255 if v > 24 else 0).getbbox() or (0, 0, shot.width, shot.height)
+        shot = shot.crop(bbox)
+        shot.thumbnail((size - 16, size - band - 16))
+        card = Image.new("RGB", (size, size), (32, 32, 36))
+        card.paste(shot, ((size - shot.width) // 2, 8 + (size - band - 16 - shot.height) // 2))
+        draw = ImageDraw.Draw(card)
+        draw.rectangle((0, size - band, size, size), fill=(20, 20, 24))
+        text = DESCRIPTIONS[name].replace("\u00d7", "x")  # the built-in font has no multiplication sign
+        for i, line in enumerate(textwrap.wrap(text, 36)[:4]):
+            draw.text((16, size - band + 12 + 32 * i), line, font=font, fill=(235, 235, 235))
+        card.save(os.path.join(OUT, f"{name}.jpg"), quality=88)
     print("thumbnails for", ", ".join(WORKFLOWS))
 
 
