@@ -2,8 +2,9 @@
 # The test environment on a fresh machine without a GPU, as CI builds it:
 #   bash tests/setup_env.sh [VENV=.venv] [COMFY_DIR=.build/comfyui]
 # 1. a venv with torch, torchvision and torchaudio, used on the CPU: PyTorch's CPU builds where its CPU index answers
-#    (about 1 GB less to download and 5 GB less on disk), else PyPI's builds (they carry CUDA libraries; the tests
-#    never use them). PyPI has no CPU build of torchvision or torchaudio, so the CPU route needs that index;
+#    and they import, else PyPI's builds, which carry CUDA libraries the tests never use (3.2 GB of the 6.2 GB venv).
+#    PyPI has no CPU build of torchvision or torchaudio (theirs need torch's CUDA libraries), so the CPU route needs
+#    that index;
 # 2. every ComfyUI release in $COMFYUI_TGZ (space-separated archives: ComfyUI-<version>.tgz as CI keeps them, or
 #    GitHub's release archives, ComfyUI-<version>.tar.gz / v<version>.tar.gz), default ../shared/comfyui/*.tgz,
 #    unpacked outside the tracked tree into COMFY_DIR/<version>/ComfyUI. The oldest release's requirements go into the
