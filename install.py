@@ -14,7 +14,9 @@ an index in ``WHEEL_INDEXES`` and checked by sha256; a build from the pinned
 upstream commit in ``PINS`` (checked by a hash of its source tree) where a CUDA
 toolkit can build it; SageAttention 1.0.6 from PyPI (Triton) otherwise. On
 Windows the ``triton-windows`` release that matches the installed torch comes
-with any kernel that needs Triton.
+with any kernel that needs Triton. FlashAttention-4 (Linux, sm 9.x/10.x/11.0) is
+one pinned, sha256-checked set of PyPI wheels installed with ``--no-deps``
+(``FA4_SET``), its CuTe DSL libraries chosen by torch's CUDA major.
 
 Every pip call runs with a constraints file that pins the installed torch,
 torchvision and torchaudio; torch is checked again after each step and what a
@@ -63,7 +65,7 @@ PINNED = ("torch", "torchvision", "torchaudio")
 # Minimum nvcc per arch (SageAttention's setup.py refuses older ones).
 NVCC_MIN_FOR_ARCH = {(8, 9): (12, 4), (9, 0): (12, 3), (12, 0): (12, 8), (12, 1): (12, 9), (10, 0): (12, 8)}
 BUILD_TOOLS = ("setuptools", "wheel", "packaging", "ninja")  # what a --no-build-isolation build imports
-DEFAULT_SET = ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "comfy_kitchen")
+DEFAULT_SET = ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "flash_attn4", "comfy_kitchen")
 OPTIONAL_SET = ("flash_attn", "flash_attn3", "xformers")  # wheels only; on request (--only/--with)
 
 
@@ -235,6 +237,140 @@ TRITON_FOR_TORCH: dict[tuple[int, int], tuple[int, int]] = {
 }
 
 
+@dataclass(frozen=True)
+class PinnedDist:
+    """One PyPI distribution at one version, with the sha256 of every file of it this script may install (Linux x86_64
+    and aarch64, CPython 3.10-3.14): pip installs it only from a file whose hash is listed (``--require-hashes``)."""
+
+    name: str
+    version: str
+    files: tuple[tuple[str, str], ...]  # (file name, sha256)
+
+    def requirement(self) -> str:
+        return f"{self.name}=={self.version} " + " ".join(f"--hash=sha256:{sha}" for _, sha in self.files)
+
+
+# FlashAttention-4 and what it imports, hashes from PyPI's JSON API (read 2026-11-23). Installed with --no-deps as one
+# explicit list: pip never resolves (so never reaches torch), and exactly this set is what runs. nvidia-cutlass-dsl's
+# metadata requires its cu12 libraries whatever the CUDA; the set takes the libraries of torch's CUDA major only (the
+# DSL loads the newest flavor the driver supports: with torch's, that is the one torch runs on). protobuf, which the
+# DSL's metadata also names, is imported by none of its Python code; einops, cuda-bindings (torch >= 2.10 brings it)
+# and cuda-pathfinder are added only where missing.
+_PINNED_DISTS = (
+    PinnedDist("flash-attn-4", "4.0.0b36", (("flash_attn_4-4.0.0b36-py3-none-any.whl",
+                                  "b6f0e2a264334cb1b59289ddd309c7c76d3a8d184268316b43403e51ba8795d2"),)),
+    PinnedDist("nvidia-cutlass-dsl", "4.8.1", (("nvidia_cutlass_dsl-4.8.1-py3-none-any.whl",
+                                  "43ed46b21d151aa643c6765457c7310827b938c1cf45d5109a0152de4ef06227"),)),
+    PinnedDist("nvidia-cutlass-dsl-libs-core", "4.8.1", (("nvidia_cutlass_dsl_libs_core-4.8.1-py3-none-any.whl",
+                                  "bacc6760e3286db447d45720d32ae58ac2e6cecade1152345ef784b2d5e44431"),)),
+    PinnedDist("nvidia-cutlass-dsl-libs-base", "4.8.1", (
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp310-cp310-manylinux_2_28_aarch64.whl", "81b8ac34569a9c5cbc78c130e1d3b41a73e7166792d45a40ebf27fb898155247"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp310-cp310-manylinux_2_28_x86_64.whl", "22643a9fc530465ef0917101d20f838f341499452af24caae8ce060fe6cc92fc"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp311-cp311-manylinux_2_28_aarch64.whl", "8d51bae072ed83cf559a8a28335d40eb40f1fef5e0511c405d9e1da6fd2b1320"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp311-cp311-manylinux_2_28_x86_64.whl", "04f60d4815d40b8588dc12bc58572923619f1b9547936195e80634a9468c0fb2"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp312-cp312-manylinux_2_28_aarch64.whl", "c6312f8b2f1aadd959a0276daf3c4bacc05c783c6ea1119859ed4ebd3c07e3b1"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl", "ac2fd8c7fa3d6ded00917fa7cba8686061005da8c4703c6a29e03c1504543909"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp313-cp313-manylinux_2_28_aarch64.whl", "7bc199a0244176849b1a971cbc37fc4164f70b7121a7b426c9c42bdf2403cb19"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp313-cp313-manylinux_2_28_x86_64.whl", "334d8b219ff9504479e50ef86fadaa5695a11f21a87e5c87a75354b0d6ba10fc"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp314-cp314-manylinux_2_28_aarch64.whl", "e84b1ca6a138a4f462b40ba0554b017fbced3b6e825333512d9e1b01d6518f89"),
+        ("nvidia_cutlass_dsl_libs_base-4.8.1-cp314-cp314-manylinux_2_28_x86_64.whl", "16941a44d4e8a7633dbe66d3e5b64ed4c136134bf14fd57db84cbdf57092e72b"),
+    )),
+    PinnedDist("nvidia-cutlass-dsl-libs-cu12", "4.8.1", (
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp310-cp310-manylinux_2_28_aarch64.whl", "bc949d4bb5158127e15b000e482a8c77006f6d7cc193368711d5c677b45a2bb5"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp310-cp310-manylinux_2_28_x86_64.whl", "df37bd90613a67a29f3d5b04dbd125dd9195b3926f6dce1b605d7edf3d8dd7c0"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp311-cp311-manylinux_2_28_aarch64.whl", "70ac0e10918387e5b1b32bb3bc08ea56556c4e500c389dc68a178c5d4e98f3df"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp311-cp311-manylinux_2_28_x86_64.whl", "dfa8be20b257bfb50a8843928277176b69a58ec3a0fcf22d7d4825f2c383ed81"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp312-cp312-manylinux_2_28_aarch64.whl", "c89d9ff9574e94561e17be23c0c06d67fc1edb6a4bc3eb067f38a1dc1f682b6e"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl", "440b88739120c65d96c5f15bbe496a3bd7c26392874d5af6061d38497f84c70c"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp313-cp313-manylinux_2_28_aarch64.whl", "249b2947f500d13aec562bd527c99135c43b520332d982f047a86661e7c6a929"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp313-cp313-manylinux_2_28_x86_64.whl", "49d2a6413aef69b606bded3c4bc481233542b9f93cde241f8695a7ea62b4f228"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp314-cp314-manylinux_2_28_aarch64.whl", "e4d3e7c07dfe9d57f85a623853bf8f0e453ce70613079bf1e9be68da0ef07aca"),
+        ("nvidia_cutlass_dsl_libs_cu12-4.8.1-cp314-cp314-manylinux_2_28_x86_64.whl", "e21d95e78c80f63c90eb00481458994906ef0f7fd1eb4ab57b23425b38d4c7a1"),
+    )),
+    PinnedDist("nvidia-cutlass-dsl-libs-cu13", "4.8.1", (
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp310-cp310-manylinux_2_28_aarch64.whl", "c79ab08f9e68ae70f65a3340c6ca48b9788e6bdf297a4c273d1c1fce98421716"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp310-cp310-manylinux_2_28_x86_64.whl", "f862ebf428815e2f61e3e1858f3b7813a57bb3c6eba46af4c96e23ac13cb80bd"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp311-cp311-manylinux_2_28_aarch64.whl", "0f0aa394eb2101134c44a9633bea776daf315f2fea2ab723ccc6c9114f89d7ea"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp311-cp311-manylinux_2_28_x86_64.whl", "969cdb8ecfe8c8b5181001f7f48429f7dd531d43c6609ae58ebf8c928185cf4f"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_aarch64.whl", "862378c0c51a3af2e053b363656501b06f9a54f777eee5be8c0046d780b66956"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl", "50191a381d8cc1393373ae0bc879b0aefa9a256c23c22d4fa1c2fe3dfe57bc90"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp313-cp313-manylinux_2_28_aarch64.whl", "d7d85ff421d83134aef05673e9a468949fefd8a7ccaf7e39011f5bffb98d9890"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp313-cp313-manylinux_2_28_x86_64.whl", "e0637fc7ec1f119cf88fc42d5007c77f76f527cb820920e47665bc193b78b0be"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp314-cp314-manylinux_2_28_aarch64.whl", "0ff2a8943e1243b9335e6d185cec841de2733f0c07f8508a5418b3bfb98460f9"),
+        ("nvidia_cutlass_dsl_libs_cu13-4.8.1-cp314-cp314-manylinux_2_28_x86_64.whl", "31d7f25c91bee24a9758cd699a675269fb8a592953876029bee8c3e478f7765b"),
+    )),
+    PinnedDist("apache-tvm-ffi", "0.1.15.post2", (
+        ("apache_tvm_ffi-0.1.15.post2-cp310-cp310-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "a63c5bad39aa22f0a81450f29613fd76d71227b3385736aa9afff00f17a32944"),
+        ("apache_tvm_ffi-0.1.15.post2-cp310-cp310-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "f39ed18bdf7e0aead59050186174f1626a476897a10680a5be3f5270bd1ef968"),
+        ("apache_tvm_ffi-0.1.15.post2-cp311-cp311-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "13efa12e3b81add67e40a2b5453203421af55827bd9cecc1fac56efd6e614282"),
+        ("apache_tvm_ffi-0.1.15.post2-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "8ecebe749834f6ac0f2693d5964acf9ac75d0bc26e6ba64c46eb7ab00ea50fac"),
+        ("apache_tvm_ffi-0.1.15.post2-cp312-cp312-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "5c807217f134272d6e08ffdeeb9f1b2c1f366e096712b4e47b88ee9103f80113"),
+        ("apache_tvm_ffi-0.1.15.post2-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "059eed9bfc94bcd41650fb8eefde74040a1bc7e7b1a6f0a8ff897b02b118875b"),
+        ("apache_tvm_ffi-0.1.15.post2-cp313-cp313-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "de48c255b2753fae02b06b6ca0a30742593e46c6828938a29eafb5e2ccff430f"),
+        ("apache_tvm_ffi-0.1.15.post2-cp313-cp313-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "eae72eb5bcbbddbc68d54eb6c16af860c628ca2f2b02cc4af2693e01a8186f73"),
+        ("apache_tvm_ffi-0.1.15.post2-cp314-cp314-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "cdf3f10bcc698e2cf19b408fa82e708a4364648eaa6dcf8b2643da804d6fdf6a"),
+        ("apache_tvm_ffi-0.1.15.post2-cp314-cp314-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "950682d8e5f088e2d4925cb03b6690a2a554e08c28b28ea721e9ca7727ff19d5"),
+    )),
+    PinnedDist("torch-c-dlpack-ext", "0.1.5", (
+        ("torch_c_dlpack_ext-0.1.5-cp310-cp310-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "ba3d88f0f7d5e1d9c3d4a3179037fc8e261c3b77ac1fad23edc0d3a9214ef193"),
+        ("torch_c_dlpack_ext-0.1.5-cp310-cp310-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "c7468df84ec152d930fbc3acf460c44a60b3462b95af3d3a676d133629c7e176"),
+        ("torch_c_dlpack_ext-0.1.5-cp311-cp311-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "fba674110e1fab0b176bb5a28223e157db65c90767d4ba74abdbee9f537b0e9d"),
+        ("torch_c_dlpack_ext-0.1.5-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "3448c4f0d64104d0b2e58080a7efa72304a04960c18f338024b80b13cd3eca26"),
+        ("torch_c_dlpack_ext-0.1.5-cp312-cp312-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "3562ee411258676f9c38b8ad39306d1c8d027b6a86f6a87c920d2d009a9d1510"),
+        ("torch_c_dlpack_ext-0.1.5-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "e6f9da4bb9af70e27facc777458be62e10dbbbddda7672d16138db0553c5a524"),
+        ("torch_c_dlpack_ext-0.1.5-cp313-cp313-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "49f1e99d13c64e22dac0a34a1560e9e5a398a49a9fa81df83053e04fde6ec5bd"),
+        ("torch_c_dlpack_ext-0.1.5-cp313-cp313-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "debe62e5ef93e631065d6b9f6e60d3d39bae6b89fa1b25d9523f40b3efbf8aba"),
+        ("torch_c_dlpack_ext-0.1.5-cp314-cp314-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "3a58fdf45fb0bda7bc459632cec891570f31c11636d5851c825cf308ec8b73c2"),
+        ("torch_c_dlpack_ext-0.1.5-cp314-cp314-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "7b985a324c68241cf83a9474b28015524b66775b12a91930dd4c0760aa628d01"),
+    )),
+    PinnedDist("quack-kernels", "0.6.5", (("quack_kernels-0.6.5-py3-none-any.whl",
+                                  "df1ddd31366c82eb9692fe087c671209189dcbde53c909c81a865d4ee66b158d"),)),
+    PinnedDist("einops", "0.8.2", (("einops-0.8.2-py3-none-any.whl",
+                                  "54058201ac7087911181bfec4af6091bb59380360f069276601256a76af08193"),)),
+    PinnedDist("cuda-bindings", "12.9.4", (
+        ("cuda_bindings-12.9.4-cp310-cp310-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "a022c96b8bd847e8dc0675523431149a4c3e872f440e3002213dbb9e08f0331a"),
+        ("cuda_bindings-12.9.4-cp310-cp310-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "4d3c842c2a4303b2a580fe955018e31aea30278be19795ae05226235268032e5"),
+        ("cuda_bindings-12.9.4-cp311-cp311-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "a6a429dc6c13148ff1e27c44f40a3dd23203823e637b87fd0854205195988306"),
+        ("cuda_bindings-12.9.4-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "c912a3d9e6b6651853eed8eed96d6800d69c08e94052c292fec3f282c5a817c9"),
+        ("cuda_bindings-12.9.4-cp312-cp312-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "694ba35023846625ef471257e6b5a4bc8af690f961d197d77d34b1d1db393f56"),
+        ("cuda_bindings-12.9.4-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "fda147a344e8eaeca0c6ff113d2851ffca8f7dfc0a6c932374ee5c47caa649c8"),
+        ("cuda_bindings-12.9.4-cp313-cp313-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "cf8bfaedc238f3b115d957d1fd6562b7e8435ba57f6d0e2f87d0e7149ccb2da5"),
+        ("cuda_bindings-12.9.4-cp313-cp313-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "32bdc5a76906be4c61eb98f546a6786c5773a881f3b166486449b5d141e4a39f"),
+        ("cuda_bindings-12.9.4-cp314-cp314-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "1f53a7f453d4b2643d8663d036bafe29b5ba89eb904c133180f295df6dc151e5"),
+        ("cuda_bindings-12.9.4-cp314-cp314-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "8b72ee72a9cc1b531db31eebaaee5c69a8ec3500e32c6933f2d3b15297b53686"),
+    )),
+    PinnedDist("cuda-bindings", "13.0.3", (
+        ("cuda_bindings-13.0.3-cp310-cp310-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "d56e46a9e984bb754e56b9d060cf027fe99f08a97651ce6d8aa1c2032476d01e"),
+        ("cuda_bindings-13.0.3-cp310-cp310-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "c5f797ce534a303525259be0ae7ee9cfcf4f7874b22f1f9b8e85555509dccb83"),
+        ("cuda_bindings-13.0.3-cp311-cp311-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "dfd66c25a133365c4f93e3396c38c64b04400ccafd18c3a889ae251a1bfabaa1"),
+        ("cuda_bindings-13.0.3-cp311-cp311-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "9afede5937474864aa794eb57399dbdf5d2b05427aadcac275209b0857528a61"),
+        ("cuda_bindings-13.0.3-cp312-cp312-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "b899e5a513c11eaa18648f9bf5265d8de2a93f76ef66a6bfca0a2887303965cd"),
+        ("cuda_bindings-13.0.3-cp312-cp312-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "cf41d9e69019939aa15296fa66ea7d3fdb8d2c6383f729f4b1156c8b37808a06"),
+        ("cuda_bindings-13.0.3-cp313-cp313-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "fb16a7f769c9c67469add7a1d9f6c14dd44637f6921cb6b9eb82cb5015b35c3d"),
+        ("cuda_bindings-13.0.3-cp313-cp313-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "512d0d803a5e47a8a42d5a34ce0932802bf72fe952fdb11ac798715a35c6e5cb"),
+        ("cuda_bindings-13.0.3-cp314-cp314-manylinux_2_24_aarch64.manylinux_2_28_aarch64.whl", "7c7e6e89cdfc9b34f16a065cc6ad6c4bab19ce5dcef8da3ace8ad10bda899fa0"),
+        ("cuda_bindings-13.0.3-cp314-cp314-manylinux_2_24_x86_64.manylinux_2_28_x86_64.whl", "e93866465e7ff4b7ebdf711cf9cd680499cd875f992058c68be08d4775ac233d"),
+    )),
+    PinnedDist("cuda-pathfinder", "1.4.2", (("cuda_pathfinder-1.4.2-py3-none-any.whl",
+                                  "eb354abc20278f8609dc5b666a24648655bef5613c6dfe78a238a6fd95566754"),)),
+)
+PINNED_DISTS = {(d.name, d.version): d for d in _PINNED_DISTS}
+_BY_NAME = {}
+for _d in _PINNED_DISTS:
+    _BY_NAME.setdefault(_d.name, _d)
+FA4_SET = tuple(_BY_NAME[n] for n in ("flash-attn-4", "nvidia-cutlass-dsl", "nvidia-cutlass-dsl-libs-core",
+                                      "nvidia-cutlass-dsl-libs-base", "apache-tvm-ffi", "torch-c-dlpack-ext",
+                                      "quack-kernels"))
+FA4_LIBS = {12: _BY_NAME["nvidia-cutlass-dsl-libs-cu12"], 13: _BY_NAME["nvidia-cutlass-dsl-libs-cu13"]}
+FA4_IF_MISSING = (_BY_NAME["einops"],)
+CUDA_BINDINGS = {12: PINNED_DISTS[("cuda-bindings", "12.9.4")], 13: PINNED_DISTS[("cuda-bindings", "13.0.3")]}
+CUDA_PATHFINDER = _BY_NAME["cuda-pathfinder"]  # cuda-bindings 12.9/13.0 need cuda-pathfinder ~= 1.1
+FA4_PYTHONS = ((3, 10), (3, 14))  # every dist of the set has a wheel for these (no free-threaded build of them all)
+FA4_VERIFIED = ("2026-11-23: hashes from PyPI; the cp312 x86_64 CUDA 13 set ran flash_attn4 on the H100 (torch 2.11+cu130, "
+                "which brings cuda-bindings 13); the CUDA 12 set and the added cuda-bindings not run on hardware yet")
+FA4_DIST_NAMES = tuple(sorted({d.name for d in _PINNED_DISTS}))
+
+
 # ============================================================ detection
 
 @dataclass
@@ -268,6 +404,7 @@ class Machine:
     triton: str | None = None  # installed Triton: "3.6.0" ("triton" on Linux, "triton-windows" on Windows)
     triton_dist: str | None = None
     python_headers: bool = True  # Python.h (python_embeded has none: nothing can be compiled against it)
+    gil_disabled: bool = False  # a free-threaded CPython build (3.13t/3.14t)
     msvc: bool = False  # cl.exe on PATH (Windows builds)
     comfyui_pins: dict = field(default_factory=dict)  # what the ComfyUI this pack sits in pins (its requirements.txt)
 
@@ -366,6 +503,7 @@ def detect() -> Machine:
     m.layout = detect_layout(sys.executable, sys.prefix, sys.base_prefix, dict(os.environ))
     m.installer = detect_installer(importlib.util.find_spec("pip") is not None, shutil.which("uv"))
     m.python_headers = Path(sysconfig.get_paths()["include"], "Python.h").exists()
+    m.gil_disabled = bool(sysconfig.get_config_var("Py_GIL_DISABLED"))
     m.msvc = m.os == "Windows" and shutil.which("cl") is not None
     for dist in ("triton-windows", "triton"):
         v = _dist_version(dist)
@@ -407,8 +545,7 @@ def detect() -> Machine:
         v = _run([os.environ.get("CXX", "g++"), "-dumpversion"])
         if v and v.strip().isdigit():
             m.gcc = (int(v.strip()), 0)
-    for k in KERNELS.values():
-        dist = k.pip_name.split("==")[0]
+    for dist in sorted({k.pip_name.split("==")[0] for k in KERNELS.values()} | set(FA4_DIST_NAMES)):
         v = _dist_version(dist)
         if v:
             m.installed[dist] = v
@@ -445,6 +582,8 @@ class Step:
     source: str | None = None
     pin: Pin | None = None  # a build from PINS (checked), or None for a source the user gave
     wheel: PrebuiltWheel | None = None  # a file from PREBUILT_WHEELS (checked)
+    hashed: list = field(default_factory=list)  # PinnedDist requirement lines: installed --no-deps --require-hashes
+    dists: list = field(default_factory=list)  # what the step installs (removed again if it cannot run here)
     subdir: str | None = None
     status: str = "planned"
     detail: str = ""
@@ -599,9 +738,12 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
 
     tk_reason = None
     sage2 = False  # SageAttention 2 is there or planned
-    for key in ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", *OPTIONAL_SET, "comfy_kitchen"):
+    for key in ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "flash_attn4", *OPTIONAL_SET, "comfy_kitchen"):
         k = KERNELS[key]
         if not _wants(key, only, skip):
+            continue
+        if key == "flash_attn4":
+            steps.append(fa4_step(m, force))
             continue
         archs = [a for a in m.archs if k.runs_on(a)]
         dist = k.pip_name.split("==")[0]
@@ -701,6 +843,66 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
     return steps
 
 
+def fa4_problem(m: Machine) -> str | None:
+    """Why the pinned FlashAttention-4 set cannot run here (platform, Python, torch, GPU), or None."""
+    k = KERNELS["flash_attn4"]
+    if m.os == "Windows":
+        return "FlashAttention-4 runs on Linux only (it imports fcntl, which Windows lacks)"
+    if m.os != "Linux":
+        return f"FlashAttention-4's wheels are for Linux, this is {m.os}"
+    if m.machine not in ("x86_64", "aarch64"):
+        return f"the CuTe DSL's wheels are for x86_64 and aarch64, this is {m.machine}"
+    py = _version_tuple(m.python, r"(\d+)\.(\d+)") or (0, 0)
+    lo, hi = FA4_PYTHONS
+    if not lo <= py <= hi:
+        return f"the pinned wheels are for CPython {lo[0]}.{lo[1]}-{hi[0]}.{hi[1]}, this is {m.python}"
+    if m.gil_disabled:
+        return "no wheels of the set for a free-threaded Python (torch-c-dlpack-ext has none)"
+    archs = [a for a in m.archs if k.runs_on(a)]
+    if not archs:
+        return f"needs {k.describe_arch()} (its Hopper and Blackwell kernels); GPUs here: {describe_gpus(m)}"
+    major = int((m.torch_cuda or "0").split(".")[0])
+    if major not in FA4_LIBS:
+        return f"the CuTe DSL's libraries exist for CUDA 12 and 13, this torch has CUDA {m.torch_cuda or '-'}"
+    if _torch_tuple(m.torch) < (2, 4):
+        return f"torch {m.torch}: torch-c-dlpack-ext, which FlashAttention-4 uses, supports torch >= 2.4"
+    return None
+
+
+def fa4_step(m: Machine, force: bool) -> Step:
+    """The FlashAttention-4 step: the pinned set for torch's CUDA major, or what of it is missing; never torch."""
+    why = fa4_problem(m)
+    if why:
+        return Step("flash_attn4", "skip", why)
+    major = int(m.torch_cuda.split(".")[0])
+    want = [*FA4_SET, FA4_LIBS[major]]
+    extra = [d for d in FA4_IF_MISSING if d.name not in m.installed]
+    if "cuda-bindings" not in m.installed:
+        extra.append(CUDA_BINDINGS[major])
+        if "cuda-pathfinder" not in m.installed:
+            extra.append(CUDA_PATHFINDER)
+    have = m.installed.get("flash-attn-4")
+    if have and not force:
+        todo = [d for d in want if d.name not in m.installed] + extra
+        if not todo:
+            return Step("flash_attn4", "ok", f"flash-attn-4 {have} already installed "
+                                             f"(CuTe DSL {m.installed.get('nvidia-cutlass-dsl', '?')})")
+        reason = f"flash-attn-4 {have} is installed without {', '.join(d.name for d in todo)}: adding the pinned ones"
+    else:
+        todo = want + extra
+        reason = (f"pinned wheels from PyPI, sha256-checked, --no-deps: flash-attn-4 {FA4_SET[0].version} with the CuTe "
+                  f"DSL's CUDA {major} libraries")
+    replaced = [f"{d.name} {m.installed[d.name]} -> {d.version}" for d in todo
+                if d.name in m.installed and m.installed[d.name] != d.version]
+    if replaced:
+        reason += "; replaces " + ", ".join(replaced)
+    bindings = m.installed.get("cuda-bindings")
+    if bindings and _version3(bindings)[0] > major:  # the DSL refuses to start on a driver older than its bindings' CUDA
+        reason += f" (cuda-bindings {bindings} is installed: the CuTe DSL then needs a CUDA {_version3(bindings)[0]} driver)"
+    return Step("flash_attn4", "wheel", reason, hashed=[d.requirement() for d in todo],
+                dists=[f"{d.name}=={d.version}" for d in todo])
+
+
 def _torch_tuple(v: str) -> tuple[int, int]:
     return _version_tuple(v, r"(\d+)\.(\d+)") or (0, 0)
 
@@ -708,6 +910,9 @@ def _torch_tuple(v: str) -> tuple[int, int]:
 def _version3(v: str | None) -> tuple[int, int, int]:
     mt = re.match(r"(\d+)\.(\d+)(?:\.(\d+))?", v or "")
     return (int(mt[1]), int(mt[2]), int(mt[3] or 0)) if mt else (0, 0, 0)
+
+
+_KERNEL_DISTS = {k.pip_name.split("==")[0] for k in KERNELS.values()}
 
 
 def describe_gpus(m: Machine) -> str:
@@ -723,7 +928,8 @@ def render_plan(m: Machine, steps: list[Step]) -> str:
         f"GPUs: {describe_gpus(m)}" + (f" [via {m.gpu_source}]" if m.gpu_source else ""),
         f"nvcc: {'%d.%d' % m.nvcc if m.nvcc else '-'} ({m.nvcc_path or 'not found'}); "
         f"g++: {'%d.%d' % m.gcc if m.gcc else '-'}; {m.cores} cores, {m.mem_gb:.0f} GB",
-        "installed: " + (", ".join(f"{k} {v}" for k, v in sorted(m.installed.items())) or "none of the kernels"),
+        "installed: " + (", ".join(f"{k} {v}" for k, v in sorted(m.installed.items()) if k in _KERNEL_DISTS)
+                         or "none of the kernels"),
         "pinned: " + (", ".join(f"{k}=={v}" for k, v in m.pinned.items()) or "-"),
         "",
         "plan:",
@@ -735,6 +941,8 @@ def render_plan(m: Machine, steps: list[Step]) -> str:
             extra = f"  [{' '.join(f'{k}={v}' for k, v in s.env.items() if k != 'CUDA_HOME')}; source {src}]"
             for f in s.fixes:
                 extra += f"\n      fix {f.name}: {f.why}"
+        if s.dists and s.action == "wheel":
+            extra = "\n      " + ", ".join(s.dists)
         lines.append(f"  {s.kernel:<16} {s.action:<6} {s.reason}{extra}")
     todo = [s for s in steps if s.action in ("build", "wheel")]
     if not todo:
@@ -831,6 +1039,8 @@ class Installer:
         t0 = time.time()
         if s.action == "wheel" and s.wheel:
             rc = self.install_prebuilt(s.wheel, log, position)
+        elif s.action == "wheel" and s.hashed:
+            rc = self.install_hashed(s, log, position)
         elif s.action == "wheel":
             rc = self.pip(s.pip_args, log, position=position)
         else:
@@ -846,6 +1056,12 @@ class Installer:
             s.status, s.detail = "installed", f"{s.seconds:.0f} s"
         print(f"== {s.kernel}: {s.status} {s.detail}", flush=True)
 
+    def install_hashed(self, s: Step, log: Path, position=0) -> int:
+        """A step's pinned distributions, from files whose sha256 is listed, without resolving dependencies."""
+        req = self.log_dir / f"{s.kernel}-requirements.txt"
+        req.write_text("".join(line + "\n" for line in s.hashed))
+        return self.pip(["--no-deps", "--only-binary=:all:", "--require-hashes", "-r", str(req)], log, position=position)
+
     def roll_back_unusable(self, steps: list[Step], rows: list[dict]) -> None:
         """A wheel that installed but whose backends cannot run here (built for another torch) is removed."""
         by_name = {r["backend"]: r for r in rows}
@@ -855,7 +1071,7 @@ class Installer:
             names = KERNELS[s.kernel].backends
             mine = [by_name[n] for n in names if n in by_name]
             if mine and not any(r["status"] == "ok" for r in mine):
-                self.uninstall([KERNELS[s.kernel].pip_name.split("==")[0]])
+                self.uninstall([d.split("==")[0] for d in s.dists] or [KERNELS[s.kernel].pip_name.split("==")[0]])
                 why = mine[0]["detail"]
                 s.status, s.detail = "removed", f"installed but cannot run here ({why}); uninstalled"
 
@@ -986,7 +1202,7 @@ CAUSES = (  # first match wins: a missing network explains "no matching distribu
     (r"Cannot install .* because these package versions have conflicting|ResolutionImpossible", "it would need another torch (the pins refused it)"),
     (r"unsupported GNU version", "host compiler too new for this nvcc: set CC/CXX to an older gcc"),
     (r"source .* is neither a path nor a git URL", "the source given is neither a local path nor a git URL"),
-    (r"sha256 mismatch", "a download does not match its pinned hash: refused (see the log for both hashes)"),
+    (r"sha256 mismatch|DO NOT MATCH THE HASHES", "a download does not match its pinned hash: refused (see the log for both hashes)"),
     (r"is not in the mirror folder", "the --mirror folder lacks a file (its name is in the log)"),
 )
 
@@ -1102,6 +1318,7 @@ def main(argv=None) -> int:
         os.environ["PATCH_ATTENTION_MIRROR"] = os.path.abspath(a.mirror)
     split = lambda s: [x.strip() for x in s.split(",") if x.strip()]  # noqa: E731
     only = split(a.only)
+    named = set(only) | set(split(a.with_))  # kernels the user asked for by name
     if a.with_:
         only = (only or list(DEFAULT_SET)) + split(a.with_)
     m = detect()
@@ -1116,10 +1333,19 @@ def main(argv=None) -> int:
         print(json.dumps({"machine": m.to_json(), "plan": [_step_json(s) for s in steps]}, indent=1, default=str))
         return 0
     print(render_plan(m, steps), flush=True)
+    # Exit non-zero only for what the user asked for by name (--only/--with/--*-source): a default run that cannot add
+    # a kernel leaves the pack working on SDPA.
+    asked = named | set(sources)
+    ready = {s.kernel for s in steps if s.action in ("ok", "build", "wheel")}
+    # --sage-source asks for SageAttention 2 (its tree also holds SageAttention3, built only where a GPU takes it)
+    refused = sorted((named | {k for k, v in (("sageattention", a.sage_source), ("spas_sage_attn", a.sparge_source)) if v})
+                     - ready)
+    if refused and not a.dry_run:
+        print(f"cannot install what was asked for: {', '.join(refused)} (the plan above says why)")
     if a.dry_run:
         return 0
     if not todo:
-        return 0
+        return 1 if refused else 0
     if not a.yes and sys.stdin.isatty():
         if input("go ahead? [y/N] ").strip().lower() not in ("y", "yes"):
             return 1
@@ -1139,12 +1365,9 @@ def main(argv=None) -> int:
             print("\nbackend                 version          status     detail")
             for r in rows:
                 print(f"  {r['backend']:<22} {r['version'] or '-':<16} {r['status']:<10} {r['detail']}")
-    # Exit non-zero only for what the user asked for by name (--only/--with/--*-source);
-    # a default run that could not add a kernel leaves the pack working on SDPA.
-    asked = set(only) | set(sources)
     if failed and not asked:
         print("some kernels could not be installed; the pack still works with what is there (see above)")
-    return 1 if any(s.kernel in asked for s in failed) else 0
+    return 1 if refused or any(s.kernel in asked for s in failed) else 0
 
 
 def _step_json(s: Step) -> dict:
@@ -1165,6 +1388,11 @@ def render_sources() -> str:
     lines.append(f"\nprebuilt wheels ({PREBUILT_VERIFIED}):")
     for w in PREBUILT_WHEELS:
         lines.append(f"  {w.kernel:<16} {w.filename}")
+    lines.append(f"\nFlashAttention-4, pinned PyPI wheels, --no-deps ({FA4_VERIFIED}):")
+    lines.append("  always:      " + ", ".join(f"{d.name}=={d.version}" for d in FA4_SET))
+    lines.append("  by CUDA:     " + ", ".join(f"{d.name}=={d.version} (CUDA {c})" for c, d in FA4_LIBS.items()))
+    lines.append("  if missing:  " + ", ".join(f"{d.name}=={d.version}" for d in (*FA4_IF_MISSING, *CUDA_BINDINGS.values(),
+                                                                             CUDA_PATHFINDER)))
     lines.append("\nTriton per torch: " + ", ".join(f"{a}.{b}->{c}.{d}" for (a, b), (c, d) in TRITON_FOR_TORCH.items()))
     return "\n".join(lines)
 

@@ -113,9 +113,13 @@ KERNELS: dict[str, Kernel] = {
             backends=("flash_attn4",),
             import_name="flash_attn.cute",
             pip_name="flash-attn-4",
-            arch_families=((9, 0), (10, 0), (10, 3)),
+            # flash-attn-4 4.0.0b36's forward: its Hopper kernel on sm 9.x, its Blackwell (tcgen05) kernel on sm 10.x
+            # and 11.x (Thor reports 10.1 to CUDA 12, 11.0 to CUDA 13). It also has an SM80-style path (mma.sync) for
+            # sm 8.x and 12.x whose head dims are bounded by shared memory and checked nowhere in its interface: not
+            # offered here until measured on such a GPU.
+            arch_families=((9, 0), (10, 0), (10, 1), (10, 3), (11, 0)),
             source="wheel",
-            note="FlashAttention-4 (CuTe DSL)",
+            note="FlashAttention-4 (CuTe DSL), pinned wheels from PyPI; Linux only",
         ),
         Kernel(
             key="xformers",

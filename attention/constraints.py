@@ -166,6 +166,7 @@ class HeadDims(Constraint):
     max: int | None = None
     multiple_of: int = 1
     pad: bool = True
+    pairs: tuple[tuple[int, int], ...] = ()  # (q/k head dim, v head dim) taken besides what the rule above takes
 
     def ok(self, d: int) -> bool:
         if self.dims and d not in self.dims:
@@ -175,15 +176,20 @@ class HeadDims(Constraint):
         return d % self.multiple_of == 0
 
     def padded(self, d: int) -> int | None:
-        if self.ok(d):
+        if self.ok(d) or (d, d) in self.pairs:
             return d
         if not self.pad:
             return None
         if self.dims:
             bigger = [x for x in sorted(self.dims) if x >= d and self.ok(x)]
-            return bigger[0] if bigger else None
-        p = -(-d // self.multiple_of) * self.multiple_of
-        return p if self.ok(p) else None
+            p = bigger[0] if bigger else None
+        else:
+            p = -(-d // self.multiple_of) * self.multiple_of
+            p = p if self.ok(p) else None
+        if p is None:
+            square = sorted(a for a, b in self.pairs if a == b and a >= d)
+            p = square[0] if square else None
+        return p
 
     def adapt(self, spec):
         if spec.head_dim != spec.v_head_dim:
@@ -194,9 +200,12 @@ class HeadDims(Constraint):
         return spec.replace(head_dim=p, v_head_dim=p)
 
     def check(self, spec):
+        if (spec.head_dim, spec.v_head_dim) in self.pairs:
+            return None
         for d in {spec.head_dim, spec.v_head_dim}:
             if not self.ok(d):
-                return f"head dim {d} unsupported ({self.describe()})"
+                what = f"head dim {d}" if spec.head_dim == spec.v_head_dim else f"head dims {spec.head_dim}/{spec.v_head_dim}"
+                return f"{what} unsupported ({self.describe()})"
         return None
 
     def describe(self):
@@ -208,6 +217,8 @@ class HeadDims(Constraint):
         if self.multiple_of > 1:
             parts.append(f"head dim % {self.multiple_of} == 0")
         s = " and ".join(parts) or "any head dim"
+        if self.pairs:
+            s += ", or (q/k, v) in {" + ", ".join(f"({a}, {b})" for a, b in self.pairs) + "}"
         return s + (" (padded)" if self.pad else "")
 
 
@@ -283,6 +294,44 @@ class SameHeadDimV(Constraint):
 
     def describe(self):
         return "value head dim == query head dim"
+
+
+@dataclass(frozen=True)
+class PerArch(Constraint):
+    """Rules that differ by GPU architecture: ``table`` maps compute-capability majors to the rules that hold there.
+
+    The first row naming the call's major applies; a CUDA call on a major no row names is refused (say which archs
+    a kernel runs on with :class:`ComputeCapability` as well: that rule gives the plainer reason).  Calls on other
+    devices are left to :class:`DeviceTypes`.
+    """
+
+    table: tuple[tuple[tuple[int, ...], tuple[Constraint, ...]], ...]
+
+    def rules(self, spec: CallSpec) -> tuple[Constraint, ...] | None:
+        if spec.device_type != "cuda" or spec.cc is None:
+            return None
+        return next((rules for majors, rules in self.table if spec.cc[0] in majors), None)
+
+    def adapt(self, spec):
+        for r in self.rules(spec) or ():
+            spec = r.adapt(spec)
+        return spec
+
+    def check(self, spec):
+        if spec.device_type != "cuda" or spec.cc is None:
+            return None
+        rules = self.rules(spec)
+        if rules is None:
+            return f"nothing declared for sm {spec.cc[0]}.x ({self.describe()})"
+        for r in rules:
+            reason = r.check(spec)
+            if reason:
+                return f"on sm {spec.cc[0]}.x: {reason}"
+        return None
+
+    def describe(self):
+        return "; ".join("on sm " + "/".join(f"{m}.x" for m in majors) + ": " + ", ".join(r.describe() for r in rules)
+                         for majors, rules in self.table)
 
 
 def plan(constraints: tuple[Constraint, ...], spec: CallSpec) -> tuple[CallSpec, str | None]:

@@ -7,6 +7,7 @@ import platform
 import torch
 
 from .capabilities import arch_name
+from .constraints import plan
 from .registry import REGISTRY
 
 
@@ -39,20 +40,25 @@ def report_rows(device: torch.device | None = None) -> list[dict]:
     spec = make_spec(q, q, q, "NHD", None).replace(device_type=device.type)
     if device.type == "cuda":
         spec = spec.replace(cc=tuple(torch.cuda.get_device_capability(device)))
-    rows = []
-    for b in REGISTRY.backends():
-        av = b.availability()
-        reason = None if not av.ok else b.plan(spec.replace(dtype=torch.float16))[1]
-        rows.append(
-            {
-                "backend": b.name,
-                "family": b.family,
-                "installed": av.ok,
-                "version": av.version,
-                "usable": av.ok and reason is None,
-                "why_not": (av.reason if not av.ok else reason) or "",
-                "supports": b.describe(),
-                "description": b.description,
-            }
-        )
-    return rows
+    return [row(b, spec.replace(dtype=torch.float16)) for b in REGISTRY.backends()]
+
+
+def row(b, spec) -> dict:
+    """One backend's row for a typical call ``spec``. A backend that is not installed also says when this GPU could
+    not run it anyway (what install.py would not install here either)."""
+    av = b.availability()
+    if av.ok:
+        why = b.plan(spec)[1] or ""
+    else:
+        anyway = plan(b.constraints, spec)[1] if spec.device_type == "cuda" else None
+        why = av.reason + (f"; this GPU could not run it anyway: {anyway}" if anyway else "")
+    return {
+        "backend": b.name,
+        "family": b.family,
+        "installed": av.ok,
+        "version": av.version,
+        "usable": av.ok and not why,
+        "why_not": why,
+        "supports": b.describe(),
+        "description": b.description,
+    }

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import re
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -22,7 +24,9 @@ from ..attention.sparge_tune import DEFAULT_BUDGET
 from .patch import SPARSE_START, patch_model, tune_model
 
 CATEGORY = "model_patches/attention"
-SPARGE_TYPE = "SPARGE_SETTINGS"
+# The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention. Saved workflows keep loading
+# across the rename from SPARGE_SETTINGS: links are restored by slot, and the input keeps its id (sparge_settings).
+SPARGE_TYPE = "SPARSE_SETTINGS"
 
 
 @dataclass
@@ -37,6 +41,7 @@ class In:
     max: float | None = None
     step: float | None = None
     multiline: bool = False
+    label: str = ""  # what the UI shows where it differs from the id saved in workflows
 
 
 @dataclass
@@ -56,7 +61,7 @@ def backend_choices() -> list[str]:
 
 
 def accuracy_text() -> str:
-    """What each backend costs in accuracy, from the registry's classes (for the backend tooltip)."""
+    """The backends by accuracy class, from the registry (for the backend tooltip)."""
     from ..attention.registry import ACCURACY
 
     by = {}
@@ -65,19 +70,16 @@ def accuracy_text() -> str:
     parts = []
     for key, cls in ACCURACY.items():
         if key in by:
-            bound = ("no bound: each explicit use is checked against dense on its first call of each kind and logged if "
-                     "beyond auto's gate" if cls.max_rel_l1 == float("inf") else f"declared bound rel-L1 <= {cls.max_rel_l1}")
-            parts.append(f"{key} ({cls.text}; {bound}): {', '.join(by[key])}")
-    return " | ".join(parts)
+            bound = "no bound, checked on first use" if cls.max_rel_l1 == float("inf") else f"rel-L1 <= {cls.max_rel_l1}"
+            parts.append(f"{key} ({bound}): {', '.join(by[key])}")
+    return "; ".join(parts)
 
 
 BACKEND_TOOLTIP = (
-    "auto: time every backend that can run on this GPU on the model's real shapes and keep the fastest "
-    "that matches SDPA's accuracy (remembered per GPU and kernel versions; lossy choices re-checked mid-run and at the "
-    "last step). disabled: remove an earlier patch. sdpa: ComfyUI's own attention. "
-    "Other entries force one kernel; calls it cannot take (head dim, mask, dtype, GPU) or that ask for full precision "
-    "go to SDPA and are counted. Accuracy by backend: " + accuracy_text() + ". "
-    "See the Attention Backends Info node for what is installed."
+    "auto: measures the kernels this GPU can run on your model's attention calls and keeps the fastest that stays "
+    "close to exact attention (auto_min_cos, auto_max_rel_l1); remembered per GPU. sdpa: ComfyUI's own attention. "
+    "disabled: removes an earlier patch. Any other entry forces one kernel; calls it cannot take run on SDPA, counted. "
+    "By accuracy: " + accuracy_text() + ". Attention Backends Info shows what is installed here."
 )
 
 
@@ -117,9 +119,9 @@ PATCH = Node(
         In("dense_layers", "STRING", "", "Attention layers kept on dense SDPA, by index within one model forward: "
            "'0-3, 10, 50-'. Flux: 0-18 double blocks, 19-56 single blocks.", ),
         In("log_stats", "BOOLEAN", False, "After each sampling run, log calls, fallbacks and GPU time per backend."),
-        In("sparge_settings", SPARGE_TYPE, None, "Sparse-attention settings (and a per-layer profile) from a SpargeAttn "
-           "Settings or Sol-Attn Settings node; they apply to that node's backend (chosen here, or by auto).",
-           optional=True),
+        In("sparge_settings", SPARGE_TYPE, None, "Settings (and a per-layer profile) from a SpargeAttn Settings or "
+           "Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
+           optional=True, label="sparse_settings"),
         In("auto_retune", "BOOLEAN", False, "auto: measure again instead of using remembered decisions.", optional=True),
         In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: a backend must reach this cosine similarity to SDPA on the real call.",
            optional=True, min=0.9, max=1.0, step=0.0005),
@@ -210,7 +212,7 @@ SPARGE = Node(
            "also its rel-L1 error vs dense SDPA (0: sparsity only). Costs a dense call each time.", optional=True,
            min=0, max=1000, step=1),
     ],
-    outputs=[(SPARGE_TYPE, "sparge_settings")],
+    outputs=[(SPARGE_TYPE, "sparse_settings")],
     fn=run_sparge_settings,
 )
 
@@ -230,8 +232,9 @@ def run_sol_settings(method, tau=SOL_DEFAULTS["tau"], keep_percent=100 * SOL_TOP
 SOL = Node(
     node_id="SolAttnSettings",
     display_name="Sol-Attn Settings",
-    description="Options for comfy-kitchen's Sol-Attn backends of Patch Attention (the kernel of ComfyUI's Model Sparse "
-                "Attention node), per model, optionally per layer from a tuned profile. Needs comfy-kitchen >= 0.2.40.",
+    description="Options for comfy-kitchen's Sol-Attn kernels in Patch Attention (the kernel of ComfyUI's Model Sparse "
+                "Attention node), per model, optionally per layer from a tuned profile. Needs comfy-kitchen 0.2.40 or "
+                "later (ComfyUI 0.33 comes with 0.2.31: Attention Backends Info says how to add it).",
     inputs=[
         In("method", "COMBO", "kitchen_sol", "kitchen_sol: a training-free threshold tau picks the key blocks each query "
            "block attends exactly (the rest through one pooled term per block). kitchen_sol_topk: a fixed share of key "
@@ -253,7 +256,7 @@ SOL = Node(
 )
 
 
-# ---------------------------------------------------------------- Tune SpargeAttn
+# ---------------------------------------------------------------- Tune Sparse Attention
 
 def profile_path(name: str) -> str:
     name = name.strip() or "profile"
@@ -433,12 +436,28 @@ def info_text() -> str:
     for r in report_rows():
         mark = "yes" if r["usable"] else ("installed" if r["installed"] else "no")
         ver = f" {r['version']}" if r["version"] else ""
-        why = f" — {r['why_not']}" if r["why_not"] else ""
+        why = f" — {_why(r['why_not'])}" if r["why_not"] else ""
         lines.append(f"[{mark:>9}] {r['backend']}{ver}{why}")
     lines.append("")
-    lines.append("'installed' means the package imports but cannot run a typical call here (reason given). "
-                 "Run install.py in this folder (python install.py --dry-run shows its plan) to add what this GPU can run.")
+    lines.append("'installed': the package imports but cannot run a typical call here (the reason follows it).")
+    lines.append("To add what this GPU can run, with the Python that runs ComfyUI:")
+    lines.append(f"  {_quote(sys.executable)} {_quote(os.path.join(PACK_DIR, 'install.py'))} --dry-run   (its plan)")
+    lines.append(f"  {_quote(sys.executable)} {_quote(os.path.join(PACK_DIR, 'install.py'))} --yes")
     return "\n".join(lines)
+
+
+PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _why(reason: str) -> str:
+    """A package that is not there says so plainly; any other import failure keeps its error (a missing dependency,
+    an ABI mismatch)."""
+    m = re.fullmatch(r"import ([\w.]+) failed: ModuleNotFoundError: No module named '([\w.]+)'", reason)
+    return "not installed" if m and m.group(2) == m.group(1).split(".")[0] else reason
+
+
+def _quote(path: str) -> str:
+    return f'"{path}"' if " " in path else path
 
 
 def run_info():

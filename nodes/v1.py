@@ -11,6 +11,8 @@ def _input(i):
         opts["default"] = i.default
     if i.tooltip:
         opts["tooltip"] = i.tooltip
+    if i.label:
+        opts["display_name"] = i.label
     for key in ("min", "max", "step"):
         if getattr(i, key) is not None:
             opts[key] = getattr(i, key)

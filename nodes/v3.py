@@ -8,7 +8,7 @@ from .definitions import NODES, Node
 
 
 def _input(i):
-    common = {"optional": i.optional, "tooltip": i.tooltip or None}
+    common = {"optional": i.optional, "tooltip": i.tooltip or None, "display_name": i.label or None}
     if i.kind == "MODEL":
         return io.Model.Input(i.name, **common)
     if i.kind == "CONDITIONING":

@@ -1,38 +1,66 @@
 #!/usr/bin/env bash
 # The test environment on a fresh machine without a GPU, as CI builds it:
 #   bash tests/setup_env.sh [VENV=.venv] [COMFY_DIR=.build/comfyui]
-# 1. a venv with torch + torchvision (ComfyUI's model classes import torchvision), used on the CPU;
-# 2. every ComfyUI release packed in ../shared/comfyui/ComfyUI-<version>.tgz (or the files in $COMFYUI_TGZ), unpacked
-#    outside the tracked tree into COMFY_DIR/<version>/ComfyUI. The oldest release's requirements go into the venv;
-#    what a newer release pins differently (its frontend, templates, comfy-kitchen, ...) goes into
+# 1. a venv with torch, torchvision and torchaudio, used on the CPU: PyTorch's CPU builds where its CPU index answers
+#    and they import, else PyPI's builds, which carry CUDA libraries the tests never use (3.2 GB of the 6.2 GB venv).
+#    PyPI has no CPU build of torchvision or torchaudio (theirs need torch's CUDA libraries), so the CPU route needs
+#    that index;
+# 2. every ComfyUI release in $COMFYUI_TGZ (space-separated archives: ComfyUI-<version>.tgz as CI keeps them, or
+#    GitHub's release archives, ComfyUI-<version>.tar.gz / v<version>.tar.gz), default ../shared/comfyui/*.tgz,
+#    unpacked outside the tracked tree into COMFY_DIR/<version>/ComfyUI. The oldest release's requirements go into the
+#    venv; what a newer release pins differently (its frontend, templates, comfy-kitchen, ...) goes into
 #    COMFY_DIR/<version>/site, which `python tests/run.py` puts first on that release's path. torch lines are never
 #    installed from ComfyUI's files: torch stays the one above;
 # 3. the test requirements; 4. Chromium for the browser tier.
 # Afterwards: `. VENV/bin/activate; python tests/run.py` (every release), or one release by hand:
 #   COMFYUI_PATH=COMFY_DIR/<version>/ComfyUI PYTHONPATH=COMFY_DIR/<version>/site python -m pytest tests
+# Without any ComfyUI archive the tiers that need none run, and the real-ComfyUI tiers are skipped with the reason
+# (or point COMFYUI_PATH at a ComfyUI checkout whose requirements are installed in the venv).
 set -euo pipefail
+t_start=$(date +%s)
 VENV=${1:-.venv}
 COMFY_DIR=${2:-.build/comfyui}
 TGZS=${COMFYUI_TGZ:-$(ls ../shared/comfyui/ComfyUI-*.tgz 2>/dev/null || true)}
-# torch 2.14.1 + torchvision 0.29.1 are a matching pair on PyPI; a constraints file keeps every later install on them.
-TORCH_PINS="torch==2.14.1 torchvision==0.29.1"
+# torch 2.14.1 + torchvision 0.29.1 are a matching pair; a constraints file keeps every later install on them.
+TORCH_V=2.14.1
+VISION_V=0.29.1
+TORCH_PINS="torch==$TORCH_V torchvision==$VISION_V"
 # ComfyUI 0.33 imports torchaudio at start-up. torchaudio's last release, 2.11.0, is built on the stable ABI (abi3)
 # and declares no torch pin: it imports beside torch 2.14.1 (installed without dependencies, so torch stays).
-TORCHAUDIO_PIN="torchaudio==2.11.0"
+TORCHAUDIO_V=2.11.0
+# PyTorch's CPU index; TORCH_CPU_INDEX= (empty) goes straight to PyPI's builds
+TORCH_CPU_INDEX=${TORCH_CPU_INDEX-https://download.pytorch.org/whl/cpu}
 
 [ -x "$VENV/bin/python" ] || python3 -m venv "$VENV"
 PY="$VENV/bin/python"
 "$PY" -m pip install -q --upgrade pip >/dev/null
 cons=$(mktemp)
 printf '%s\n' $TORCH_PINS >"$cons"
-"$PY" -m pip install -q -c "$cons" $TORCH_PINS
-"$PY" -m pip install -q --no-deps "$TORCHAUDIO_PIN"
+imports_torch() { "$PY" -c "import torch, torchvision, torchaudio" >/dev/null 2>&1; }
+have=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
+if [ "$have" = "$TORCH_V+cpu" ] && imports_torch; then
+  torch_from="PyTorch's CPU builds (already installed)"
+elif [ -n "$TORCH_CPU_INDEX" ] && [ "${have%+cpu}" != "$TORCH_V" ] \
+    && "$PY" -m pip install -q --no-deps --timeout 20 --retries 1 --index-url "$TORCH_CPU_INDEX" \
+         "torch==$TORCH_V+cpu" "torchvision==$VISION_V+cpu" "torchaudio==$TORCHAUDIO_V+cpu" >/dev/null 2>&1 \
+    && "$PY" -m pip install -q -c "$cons" $TORCH_PINS && imports_torch; then
+  torch_from="PyTorch's CPU builds ($TORCH_CPU_INDEX)"
+else
+  # the CPU index is out of reach (CI reaches PyPI only), or its builds did not import: PyPI's builds
+  now=$("$PY" -c "import torch; print(torch.__version__)" 2>/dev/null || true)
+  case "$now" in *+cpu) "$PY" -m pip uninstall -q -y torch torchvision torchaudio >/dev/null 2>&1 || true ;; esac
+  "$PY" -m pip install -q -c "$cons" $TORCH_PINS
+  "$PY" -m pip install -q --no-deps "torchaudio==$TORCHAUDIO_V"
+  torch_from="PyPI's builds (with CUDA libraries, used on the CPU)"
+fi
+echo "setup_env: torch $("$PY" -c "import torch; print(torch.__version__)") from $torch_from"
 "$PY" -m pip install -q -c "$cons" -r requirements-test.txt
 # comfy-kitchen 0.2.40 (the first with sol_attn), beside the venv: the Sol-Attn stand-in is checked against its
 # contract and its CPU reference (tests/test_sparse_choices.py); no release's own comfy-kitchen pin is touched
 [ -d .build/kitchen-sol/comfy_kitchen ] || "$PY" -m pip install -q --no-deps --target .build/kitchen-sol comfy-kitchen==0.2.40
 
-version_of() { basename "$1" .tgz | sed 's/^ComfyUI-//'; }
+# ComfyUI-0.33.0.tgz, ComfyUI-0.33.0.tar.gz, v0.33.0.tar.gz -> 0.33.0
+version_of() { basename "$1" | sed -E 's/\.(tgz|tar\.gz)$//; s/^ComfyUI-//; s/^v//'; }
 # oldest first: it defines the venv, the others add what they pin differently
 sorted=$(for t in $TGZS; do echo "$(version_of "$t") $t"; done | sort -V | cut -d' ' -f2)
 [ -n "$sorted" ] || echo "setup_env: no ComfyUI release found: the real-ComfyUI tests will be skipped (set COMFYUI_TGZ or COMFYUI_PATH)" >&2
@@ -43,6 +71,13 @@ for tgz in $sorted; do
   if [ ! -f "$dest/ComfyUI/main.py" ]; then
     mkdir -p "$dest"
     tar xzf "$tgz" -C "$dest"
+    # GitHub's release archives hold ComfyUI-<version>/ (or ComfyUI-<commit>/) instead of ComfyUI/
+    if [ ! -f "$dest/ComfyUI/main.py" ]; then
+      for top in "$dest"/*/main.py; do
+        [ -f "$top" ] && mv "$(dirname "$top")" "$dest/ComfyUI" && break
+      done
+    fi
+    [ -f "$dest/ComfyUI/main.py" ] || { echo "setup_env: $tgz holds no ComfyUI (no main.py at its top folder)" >&2; exit 1; }
   fi
   req=$(mktemp)
   # ComfyUI's requirements without torch/torchvision/torchaudio. Its "non essential" ones too: without spandrel the
@@ -74,3 +109,5 @@ if ! command -v chromium >/dev/null || ! command -v chromedriver >/dev/null; the
     echo "setup_env: no chromium and no root apt-get: the browser tests will be skipped" >&2
   fi
 fi
+echo "setup_env: done in $(( $(date +%s) - t_start )) s; on disk: $(du -sh "$VENV" | cut -f1) in $VENV, \
+$(du -sh "$COMFY_DIR" 2>/dev/null | cut -f1 || echo 0) in $COMFY_DIR"

@@ -63,6 +63,7 @@ LOAD = """
 const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
 (async () => {
   try {
+    if (window.app.clean) window.app.clean();  // the previous workflow's queue errors would outline this one's nodes
     await window.app.loadGraphData(wf);
     await new Promise(r => setTimeout(r, 500));
     const reg = window.LiteGraph.registered_node_types;
@@ -70,7 +71,8 @@ const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
     const nodes = window.app.graph._nodes.map(n => ({
       id: n.id, type: n.type, registered: !!reg[n.type], built: !!n.constructor.comfyClass,
       box: [n.pos[0], n.pos[1] - title, n.size[0], n.size[1] + title],
-      values: (n.widgets || []).map(w => w.value)}));
+      values: (n.widgets || []).map(w => w.value),
+      inputs: (n.inputs || []).map(i => [i.name, i.label || null])}));
     const dialogs = [...document.querySelectorAll('.p-dialog, .comfy-modal')]
       .filter(d => d.offsetParent !== null).map(d => d.innerText.slice(0, 300));
     window.app.canvas.ds.scale = 0.62; window.app.canvas.ds.offset = [10, 10];
@@ -101,6 +103,11 @@ def test_workflow_in_the_real_frontend(browser, path):
     for n in res["nodes"]:
         nid = str(n["id"])
         assert n["values"] == want[nid], f"{n['type']} #{nid}: widgets {n['values']} != JSON {want[nid]}"
+    # the settings input shows the name the settings nodes' outputs have (its id in saved workflows stays)
+    for n in res["nodes"]:
+        for slot, label in n["inputs"]:
+            if n["type"] == "PatchAttention" and slot == "sparge_settings":
+                assert label == "sparse_settings", n["inputs"]
     boxes = res["nodes"]
     for i, a in enumerate(boxes):
         for b in boxes[i + 1:]:
@@ -135,3 +142,77 @@ const done = arguments[arguments.length - 1];
 """
 
 FRONTEND_ONLY = {"Note"}
+
+
+TEMPLATES = """
+const done = arguments[arguments.length - 1];
+(async () => {
+  try {
+    // what the template browser does: the list of custom nodes' templates, then <module>/<name>.json and .jpg
+    const list = await (await fetch('/api/workflow_templates')).json();
+    const names = list['ComfyUI-PatchAttention'] || [];
+    const got = {};
+    for (const name of names) {
+      const wf = await fetch(`/api/workflow_templates/ComfyUI-PatchAttention/${name}.json`);
+      const jpg = await fetch(`/api/workflow_templates/ComfyUI-PatchAttention/${name}.jpg`);
+      got[name] = {json: wf.status, nodes: wf.ok ? (await wf.json()).nodes.length : 0, jpg: jpg.status,
+                   jpgType: jpg.headers.get('content-type')};
+    }
+    done({names, got});
+  } catch (e) { done({error: String(e)}); }
+})();
+"""
+
+
+def test_templates_are_listed_and_served_under_their_titles(browser):
+    """Frontend 1.49 titles a custom node pack's template card with its file name: the files carry human titles, and
+    the server serves them (and their thumbnails) at the URLs the frontend builds from those names."""
+    res = browser.execute_async_script(TEMPLATES)
+    assert "error" not in res, res.get("error")
+    want = {os.path.splitext(os.path.basename(p))[0] for p in WORKFLOWS}
+    assert set(res["names"]) == want
+    for name, r in res["got"].items():
+        assert r["json"] == 200 and r["nodes"] > 5 and r["jpg"] == 200 and r["jpgType"].startswith("image/jpeg"), (name, r)
+
+
+OLD_UI = os.path.join(ROOT, "tests", "fixture_workflows", "wan21_sparge_tuning_saved_before_sparse_settings.json")
+
+OLD = """
+const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
+(async () => {
+  try {
+    await window.app.loadGraphData(wf);
+    await new Promise(r => setTimeout(r, 500));
+    const g = window.app.graph;
+    // what the note asks for: un-mute group 2 (the settings, Patch Attention, sampler), mute group 1 (the tuning run)
+    for (const n of g._nodes) { if ([13, 14, 15, 16, 17].includes(Number(n.id))) n.mode = 0;
+                                if ([9, 10, 11, 12].includes(Number(n.id))) n.mode = 2; }
+    const patch = g._nodes.find(n => Number(n.id) === 14);
+    const slot = patch.inputs.find(i => i.name === 'sparge_settings');
+    const p = await window.app.graphToPrompt();
+    const r = await fetch('/prompt', {method: 'POST', headers: {'Content-Type': 'application/json'},
+                                      body: JSON.stringify({prompt: p.output, client_id: 'pa-browser-test'})});
+    const dialogs = [...document.querySelectorAll('.p-dialog, .comfy-modal')]
+      .filter(d => d.offsetParent !== null).map(d => d.innerText.slice(0, 300));
+    done({slot: {link: slot.link, label: slot.label || slot.localized_name || null, type: slot.type},
+          input: p.output['14'] ? p.output['14'].inputs.sparge_settings : null, status: r.status, body: await r.json(),
+          dialogs});
+  } catch (e) { done({error: String(e)}); }
+})();
+"""
+
+
+def test_a_workflow_saved_before_the_settings_type_was_renamed_loads_and_queues(browser):
+    """The settings type was SPARGE_SETTINGS; a workflow saved then keeps its link from SpargeAttn Settings to Patch
+    Attention, and the server accepts the prompt (refusing only the model files this machine lacks)."""
+    res = browser.execute_async_script(OLD, json.load(open(OLD_UI)))
+    assert "error" not in res, res.get("error")
+    assert not res["dialogs"], res["dialogs"]
+    assert res["slot"]["link"] is not None and res["input"] == ["13", 0], res
+    body = res["body"]
+    for nid, err in body.get("node_errors", {}).items():
+        for e in err["errors"]:
+            field = e.get("extra_info", {}).get("input_name", "")
+            assert e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name")), \
+                f"node {nid} ({err.get('class_type')}): {e}"
+    print("sparge_settings slot in the frontend:", res["slot"])

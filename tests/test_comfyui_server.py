@@ -84,7 +84,8 @@ def test_object_info_lists_the_nodes(server):
     assert options[:2] == ["auto", "disabled"] and "sage_fp8_sm90" in options
     assert "AttentionBackendsInfo" in get(url + "/object_info/AttentionBackendsInfo")
     templates = get(url + "/api/workflow_templates")
-    assert set(templates.get("ComfyUI-PatchAttention", [])) >= {"flux_patch_attention", "sd15_patch_attention", "sdxl_patch_attention"}
+    assert set(templates.get("ComfyUI-PatchAttention", [])) >= {"Flux.1 dev image 1024px", "SD 1.5 image 512px",
+                                                                "SDXL image 1024px", "Wan 2.1 video 480p 81 frames"}
 
 
 def test_prompt_with_patch_attention_succeeds(server):

@@ -54,7 +54,8 @@ def actions(steps):
 def test_hopper_with_toolkit_builds_sage2_and_sparge_with_the_gcc13_fix():
     steps = inst.plan(machine())
     a = actions(steps)
-    assert a == {"sageattention": "build", "sageattn3": "skip", "spas_sage_attn": "build", "comfy_kitchen": "wheel"}
+    assert a == {"sageattention": "build", "sageattn3": "skip", "spas_sage_attn": "build", "flash_attn4": "wheel",
+                 "comfy_kitchen": "wheel"}
     sage = next(s for s in steps if s.kernel == "sageattention")
     sparge = next(s for s in steps if s.kernel == "spas_sage_attn")
     assert sage.env["TORCH_CUDA_ARCH_LIST"] == "9.0" and sparge.env["TORCH_CUDA_ARCH_LIST"] == "9.0"
@@ -130,8 +131,14 @@ def test_machines_with_nothing_to_build(m, text):
     assert "nothing to install" in inst.render_plan(mm, steps)
 
 
+def fa4_installed(cuda=13):
+    """What a Linux machine holds after install.py put FlashAttention-4 there (torch >= 2.10 brings cuda-bindings)."""
+    have = {d.name: d.version for d in (*inst.FA4_SET, inst.FA4_LIBS[cuda])}
+    return {**have, "einops": "0.8.2", "cuda-bindings": inst.CUDA_BINDINGS[cuda].version, "cuda-pathfinder": "1.9.0"}
+
+
 def test_second_run_has_nothing_to_do():
-    m = machine(installed={"sageattention": "2.2.0", "spas_sage_attn": "0.1.0", "comfy-kitchen": "0.2.40"},
+    m = machine(installed={"sageattention": "2.2.0", "spas_sage_attn": "0.1.0", "comfy-kitchen": "0.2.40", **fa4_installed()},
                 sage_modules={"_qattn_sm80": True, "_qattn_sm89": True, "_qattn_sm90": True, "_fused": True})
     steps = inst.plan(m)
     assert {s.action for s in steps} <= {"ok", "skip"}
@@ -659,3 +666,205 @@ def test_an_incomplete_sage2_that_cannot_be_rebuilt_says_what_it_lacks():
                 sage_modules={"_qattn_sm80": True, "_qattn_sm89": True, "_qattn_sm90": False})
     sage = step(inst.plan(m), "sageattention")
     assert sage.action == "skip" and sage.reason.startswith("sageattention 2.2.0 lacks _qattn_sm90; cannot rebuild: no CUDA")
+
+
+# ------------------------------------------------------------------ FlashAttention-4: one pinned, hash-checked set
+
+H100, B300, THOR = ("NVIDIA H100 80GB HBM3", (9, 0)), ("B300", (10, 3)), ("Thor", (11, 0))
+
+
+@pytest.mark.parametrize("gpus, torch, cuda, libs", [
+    ((H100,), "2.11.0+cu130", "13.0", "nvidia-cutlass-dsl-libs-cu13"),
+    ((B200,), "2.10.0+cu128", "12.8", "nvidia-cutlass-dsl-libs-cu12"),
+    ((B300, H100), "2.12.0+cu130", "13.0", "nvidia-cutlass-dsl-libs-cu13"),
+    ((THOR,), "2.11.0+cu130", "13.0", "nvidia-cutlass-dsl-libs-cu13"),
+])
+def test_fa4_is_installed_by_default_on_linux_hopper_and_blackwell(gpus, torch, cuda, libs):
+    m = machine(gpus=gpus, torch=torch, cuda=cuda, nvcc=None, installed={"einops": "0.8.2", "cuda-bindings": cuda + ".3"})
+    s = step(inst.plan(m), "flash_attn4")
+    assert s.action == "wheel" and f"CUDA {cuda[:2]} libraries" in s.reason
+    names = [d.split("==")[0] for d in s.dists]
+    assert names == [d.name for d in inst.FA4_SET] + [libs]  # exactly the set, the one libs flavor, nothing else
+    assert not any(re.match(r"(torch|torchvision|torchaudio)(==| |$)", x) for x in s.dists + s.hashed + s.pip_args)
+    for line, dist in zip(s.hashed, s.dists):  # every line pins a version and lists only hashes of that version's files
+        assert line.startswith(dist + " --hash=sha256:")
+        pinned = inst.PINNED_DISTS[tuple(dist.split("=="))]
+        assert line.split()[1:] == [f"--hash=sha256:{h}" for _, h in pinned.files]
+
+
+def test_fa4_adds_einops_and_the_cuda_bindings_of_torchs_cuda_major_where_missing():
+    s = step(inst.plan(machine(torch="2.9.1+cu128", cuda="12.8", nvcc=None, installed={})), "flash_attn4")
+    assert s.dists[-3:] == ["einops==0.8.2", "cuda-bindings==12.9.4", "cuda-pathfinder==1.4.2"]
+    s = step(inst.plan(machine(installed={"einops": "0.7.0", "cuda-pathfinder": "1.3.0"})), "flash_attn4")
+    assert s.dists[-1] == "cuda-bindings==13.0.3"  # the pathfinder that is there is kept
+    s = step(inst.plan(machine(torch="2.10.0+cu128", cuda="12.8", installed={"einops": "0.8.2", "cuda-bindings": "13.0.3"})),
+             "flash_attn4")
+    assert "nvidia-cutlass-dsl-libs-cu12==4.8.1" in s.dists and "cuda-bindings" not in " ".join(s.dists)
+    assert "needs a CUDA 13 driver" in s.reason  # what the CuTe DSL will check at start
+
+
+@pytest.mark.parametrize("make, text", [
+    (lambda: windows((RTX4090,), "2.10.0+cu130"), "runs on Linux only (it imports fcntl, which Windows lacks)"),
+    (lambda: windows((("H100", (9, 0)),), "2.10.0+cu130", layout="venv"), "runs on Linux only"),
+    (lambda: machine(gpus=(RTX4090,)), "needs compute capability sm 9.0, 10.0, 10.1, 10.3, 11.0"),
+    (lambda: machine(gpus=(RTX5090,)), "GPUs here: RTX 5090 (sm 12.0"),
+    (lambda: machine(gpus=(A100,)), "its Hopper and Blackwell kernels"),
+    (lambda: machine(python="3.9.18"), "for CPython 3.10-3.14, this is 3.9.18"),
+    (lambda: machine(python="3.15.0"), "for CPython 3.10-3.14, this is 3.15.0"),
+    (lambda: machine(python="3.14.0", gil_disabled=True), "free-threaded"),
+    (lambda: machine(machine="ppc64le"), "x86_64 and aarch64, this is ppc64le"),
+    (lambda: machine(torch="2.7.1+cu118", cuda="11.8"), "exist for CUDA 12 and 13, this torch has CUDA 11.8"),
+    (lambda: machine(torch="2.3.1+cu121", cuda="12.1"), "torch-c-dlpack-ext, which FlashAttention-4 uses, supports torch >= 2.4"),
+])
+def test_fa4_is_not_installed_where_it_cannot_run_and_the_plan_says_why(make, text):
+    m = make()
+    s = step(inst.plan(m), "flash_attn4")
+    assert s.action == "skip" and text in s.reason, s.reason
+    assert f"flash_attn4      skip   {s.reason}" in inst.render_plan(m, inst.plan(m))
+
+
+def test_fa4_skip_opts_out_and_only_installs_it_alone():
+    assert "flash_attn4" not in actions(inst.plan(machine(), skip=["flash_attn4"]))
+    assert actions(inst.plan(machine(), only=["flash_attn4"])) == {"flash_attn4": "wheel"}
+
+
+def test_fa4_already_there_is_kept_an_incomplete_set_is_completed_and_force_reinstalls():
+    full = fa4_installed()
+    assert step(inst.plan(machine(installed=full)), "flash_attn4").action == "ok"
+    partial = {k: v for k, v in full.items() if k not in ("nvidia-cutlass-dsl-libs-cu13", "quack-kernels")}
+    s = step(inst.plan(machine(installed=partial)), "flash_attn4")
+    assert s.action == "wheel" and s.dists == ["quack-kernels==0.6.5", "nvidia-cutlass-dsl-libs-cu13==4.8.1"]
+    assert "is installed without quack-kernels, nvidia-cutlass-dsl-libs-cu13" in s.reason
+    s = step(inst.plan(machine(installed=full), force=True), "flash_attn4")
+    assert s.action == "wheel" and len(s.dists) == len(inst.FA4_SET) + 1 and "replaces" not in s.reason
+    # another version of a member that is there (a CuTe DSL another tool installed) is replaced, and the plan says so
+    s = step(inst.plan(machine(installed={"nvidia-cutlass-dsl": "4.3.0", "einops": "0.8.2", "cuda-bindings": "13.0.3"})),
+             "flash_attn4")
+    assert s.reason.endswith("; replaces nvidia-cutlass-dsl 4.3.0 -> 4.8.1")
+
+
+def test_every_pinned_file_is_of_its_dist_and_version_and_every_accepted_platform_has_one():
+    from packaging.utils import parse_wheel_filename
+
+    for d in inst.PINNED_DISTS.values():
+        assert d.files
+        for fn, sha in d.files:
+            name, ver, _, tags = parse_wheel_filename(fn)
+            assert name == d.name and str(ver) == str(parse_wheel_filename(f"x-{d.version}-py3-none-any.whl")[1]), fn
+            assert re.fullmatch(r"[0-9a-f]{64}", sha)
+    lo, hi = inst.FA4_PYTHONS
+    for minor in range(lo[1], hi[1] + 1):
+        for arch in ("x86_64", "aarch64"):
+            for cuda in (12, 13):
+                for d in (*inst.FA4_SET, inst.FA4_LIBS[cuda], *inst.FA4_IF_MISSING, inst.CUDA_BINDINGS[cuda],
+                          inst.CUDA_PATHFINDER):
+                    ok = [fn for fn, _ in d.files if fn.endswith("-py3-none-any.whl")
+                          or (f"-cp3{minor}-cp3{minor}-" in fn and fn.endswith(f"_{arch}.whl"))]
+                    assert ok, f"{d.name} {d.version} has no file for CPython 3.{minor} on {arch}"
+    assert "cu13" in inst.FA4_VERIFIED or "CUDA 13" in inst.FA4_VERIFIED
+
+
+def _fake_wheel(folder, dist, version, files):
+    import zipfile
+
+    norm = dist.replace("-", "_")
+    path = folder / f"{norm}-{version}-py3-none-any.whl"
+    info = f"{norm}-{version}.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        for name, text in files.items():
+            z.writestr(name, text)
+        z.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {dist}\nVersion: {version}\nRequires-Dist: torch\n")
+        z.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+def test_a_hashed_step_runs_pip_offline_without_deps_and_refuses_a_file_whose_hash_is_not_pinned(tmp_path, monkeypatch):
+    """pip for real, offline (--find-links DIR --no-index, as on the GPU machine), into a --target folder: the pinned
+    files install although their metadata requires torch (--no-deps); a file whose sha256 is not pinned is refused."""
+    wheels = tmp_path / "wheels"
+    wheels.mkdir()
+    a = _fake_wheel(wheels, "pa-fake-kernel", "1.0", {"pa_fake_kernel/__init__.py": "X = 1\n"})
+    b = _fake_wheel(wheels, "pa-fake-dsl", "2.0", {"pa_fake_dsl/__init__.py": "", "pa_fake_dsl.pth": "import sys\n"})
+    dists = [inst.PinnedDist("pa-fake-kernel", "1.0", ((a.name, _sha(a)),)),
+             inst.PinnedDist("pa-fake-dsl", "2.0", ((b.name, _sha(b)), ("other-file.whl", "0" * 64)))]
+    target = tmp_path / "site"
+    installer = inst.Installer(machine(), tmp_path / "logs", pip_extra=[f"--find-links={wheels}", "--no-index"], quiet=True)
+    monkeypatch.setattr(installer, "installer_cmd", lambda verb: [sys.executable, "-m", "pip", verb, "--target", str(target),
+                                                                  "--disable-pip-version-check"])
+    s = inst.Step("flash_attn4", "wheel", "x", hashed=[d.requirement() for d in dists],
+                  dists=[f"{d.name}=={d.version}" for d in dists])
+    log = tmp_path / "fa4.log"
+    log.write_text("")
+    assert installer.install_hashed(s, log) == 0, log.read_text()[-2000:]
+    assert (target / "pa_fake_kernel" / "__init__.py").exists() and (target / "pa_fake_dsl.pth").exists()
+    assert "torch" not in {p.name.split("-")[0] for p in target.iterdir()}  # nothing resolved, torch not reached
+    cmd = log.read_text().splitlines()[0]
+    assert "--no-deps" in cmd and "--require-hashes" in cmd and "--only-binary=:all:" in cmd and "--constraint" in cmd
+    # a file that is not the pinned one (same name and version, other bytes) is refused before anything is installed
+    _fake_wheel(wheels, "pa-fake-kernel", "1.0", {"pa_fake_kernel/__init__.py": "X = 2\n"})
+    log2 = tmp_path / "fa4-2.log"
+    log2.write_text("")
+    target2 = tmp_path / "site2"
+    monkeypatch.setattr(installer, "installer_cmd", lambda verb: [sys.executable, "-m", "pip", verb, "--target", str(target2),
+                                                                  "--disable-pip-version-check"])
+    assert installer.install_hashed(s, log2) != 0
+    assert "pinned hash" in inst.likely_cause(log2.read_text()) and not (target2 / "pa_fake_kernel").exists()
+
+
+def test_a_hashed_step_that_cannot_run_is_removed_with_everything_it_installed(tmp_path, monkeypatch):
+    installer = inst.Installer(machine(), tmp_path, quiet=True)
+    calls = []
+    monkeypatch.setattr(inst.subprocess, "run", lambda cmd, **kw: calls.append(cmd))
+    s = inst.Step("flash_attn4", "wheel", "x", status="installed", dists=["flash-attn-4==4.0.0b36", "quack-kernels==0.6.5"])
+    installer.roll_back_unusable([s], [{"backend": "flash_attn4", "status": "unusable", "detail": "DSLRuntimeError: x"}])
+    assert s.status == "removed" and calls == [[sys.executable, "-m", "pip", "uninstall", "-y", "flash-attn-4", "quack-kernels"]]
+
+
+@pytest.mark.parametrize("argv, rc, text", [
+    (["--only", "sageattention", "--yes"], 1, "cannot install what was asked for: sageattention"),
+    (["--with", "xformers", "--yes"], 1, "cannot install what was asked for: xformers"),
+    (["--yes"], 0, None),
+    (["--only", "sageattention", "--dry-run"], 0, None),
+])
+def test_a_kernel_named_that_cannot_be_installed_exits_non_zero(argv, rc, text, monkeypatch, capsys):
+    """On a machine without a GPU nothing can be installed: a default run says so and exits 0, a kernel named with
+    --only/--with exits 1 (README: an explicit request that cannot be met is an error)."""
+    monkeypatch.setattr(inst, "detect", lambda: machine(gpus=()))
+    monkeypatch.setattr(inst, "Installer", None)  # nothing may be installed
+    assert inst.main(argv) == rc
+    out = capsys.readouterr().out
+    assert "no NVIDIA GPU found" in out
+    assert (text in out) if text else "cannot install" not in out
+
+
+def test_named_kernels_that_are_skipped_on_a_gpu_machine_exit_non_zero_after_the_rest_installed(monkeypatch, capsys):
+    monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(RTX4090,)))
+    ran = []
+
+    class FakeInstaller:
+        def __init__(self, *a, **kw):
+            pass
+
+        def run_all(self, todo):
+            for s in todo:
+                ran.append(s.kernel)
+                s.status = "installed"
+
+        def roll_back_unusable(self, todo, rows):
+            pass
+
+    monkeypatch.setattr(inst, "Installer", FakeInstaller)
+    monkeypatch.setattr(inst, "verify", lambda: [])
+    assert inst.main(["--only", "flash_attn4,xformers", "--yes"]) == 1  # FA4 cannot run on sm 8.9
+    assert ran == ["xformers"] and "cannot install what was asked for: flash_attn4" in capsys.readouterr().out
+    assert inst.main(["--only", "xformers", "--yes"]) == 0
+    # a source tree for SageAttention asks for SageAttention 2; its SageAttention3 half is skipped on sm 8.9, no error
+    monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(RTX4090,), installed=fa4_installed()))
+    ran.clear()
+    assert inst.main(["--sage-source", "/src/Sage", "--yes"]) == 0 and "sageattention" in ran
+    capsys.readouterr()
+    assert inst.main(["--sparge-source", "/src/Sparge", "--yes"]) == 0
+    monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(B200,), installed=fa4_installed()))
+    assert inst.main(["--sparge-source", "/src/Sparge", "--yes"]) == 1  # SpargeAttn stops at sm 9.0
+    assert "cannot install what was asked for: spas_sage_attn" in capsys.readouterr().out

@@ -30,7 +30,7 @@ def test_classic_input_types_follow_the_definitions():
                                    "sparse_start_percent"}
     choices, opts = it["required"]["backend"]
     assert choices[:2] == ["auto", "disabled"] and "sdpa" in choices and "kitchen_int8" in choices
-    assert opts["default"] == "auto" and "time every backend" in opts["tooltip"]
+    assert opts["default"] == "auto" and "measures the kernels this GPU can run" in opts["tooltip"]
     assert it["required"]["start_percent"] == ("FLOAT", {"default": 0.0, "tooltip": it["required"]["start_percent"][1]["tooltip"],
                                                          "min": 0.0, "max": 1.0, "step": 0.01})
     assert cls.RETURN_TYPES == ("MODEL",) and cls.FUNCTION == "run" and cls.CATEGORY.startswith("model_patches")
@@ -163,3 +163,37 @@ def test_pvthreshd_values_are_parsed_with_clear_errors():
         defs.parse_pv_values("a,b")
     with pytest.raises(ValueError, match=r"must be numbers in \[0.0"):
         defs.parse_pv_values("-3")
+
+
+def test_backends_info_names_the_install_command_for_this_python_and_folder():
+    import os
+    import sys
+
+    text = defs.info_text()
+    install = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "install.py")
+    assert f"{sys.executable} {install} --dry-run" in text.replace('"', "")
+    assert "in this folder" not in text
+    # a package that is not there says so; another import failure keeps its error
+    assert defs._why("import sageattention failed: ModuleNotFoundError: No module named 'sageattention'") == "not installed"
+    dep = "import flash_attn.cute failed: ModuleNotFoundError: No module named 'cutlass'"
+    assert defs._why(dep) == dep
+
+
+def test_sol_attn_on_an_older_comfy_kitchen_says_how_to_add_it(monkeypatch):
+    import sys
+    import types
+
+    monkeypatch.setitem(sys.modules, "comfy_kitchen", types.ModuleType("comfy_kitchen"))  # 0.2.31: no sol_attn
+    av = P.attention.backends.kitchen._sol_probe()
+    assert not av.ok
+    assert "needs 0.2.40 or later" in av.reason and "python -m pip install comfy-kitchen==0.2.40" in av.reason
+
+
+def test_the_settings_nodes_and_patch_attention_share_one_type_and_one_name():
+    sparge, sol = v1.NODE_CLASS_MAPPINGS["SpargeAttnSettings"], v1.NODE_CLASS_MAPPINGS["SolAttnSettings"]
+    assert sparge.RETURN_TYPES == sol.RETURN_TYPES == ("SPARSE_SETTINGS",)
+    assert sparge.RETURN_NAMES == sol.RETURN_NAMES == ("sparse_settings",)
+    spec = v1.NODE_CLASS_MAPPINGS["PatchAttention"].INPUT_TYPES()["optional"]["sparge_settings"]
+    # the id saved in workflows stays sparge_settings; the UI shows the name the outputs have
+    assert spec[0] == "SPARSE_SETTINGS" and spec[1]["display_name"] == "sparse_settings"
+    assert v1.NODE_DISPLAY_NAME_MAPPINGS["TuneSpargeAttn"] == "Tune Sparse Attention"

@@ -18,18 +18,60 @@ FRONTEND_ONLY = {"Note"}  # drawn by the frontend, not a server node
 
 def test_there_are_image_video_and_tuning_workflows_in_both_formats():
     names = {os.path.basename(p) for p in UI}
-    assert {"sd15_patch_attention.json", "sdxl_patch_attention.json", "flux_patch_attention.json",
-            "wan21_t2v_patch_attention.json", "wan21_sparge_tuning.json"} <= names
+    # the file name is the template's title in ComfyUI's template browser
+    assert {"SD 1.5 image 512px.json", "SDXL image 1024px.json", "Flux.1 dev image 1024px.json",
+            "Wan 2.1 video 480p 81 frames.json", "Wan 2.1 sparse attention tuning.json"} <= names
     assert names == {os.path.basename(p) for p in API}
+    # and each has its thumbnail (the frontend asks for <title>.jpg)
+    assert all(os.path.exists(p[:-len(".json")] + ".jpg") for p in UI)
 
 
-def test_workflows_are_what_the_generator_writes(tmp_path, monkeypatch):
-    """workflows/ is generated (tests/tools/make_workflows.py): a hand edit would be lost on the next run."""
+def _generator():
     import importlib.util
 
     spec = importlib.util.spec_from_file_location("make_workflows", os.path.join(ROOT, "tests", "tools", "make_workflows.py"))
     gen = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(gen)
+    return gen
+
+
+def test_the_wan_templates_run_the_size_their_note_quotes_and_readme_quotes_the_same_number():
+    gen = _generator()
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    e2e = open(os.path.join(ROOT, "docs", "end-to-end.md"), encoding="utf-8").read()
+    for name in ("Wan 2.1 video 480p 81 frames", "Wan 2.1 sparse attention tuning"):
+        wf = json.load(open(os.path.join(ROOT, "workflows", f"{name}.json")))
+        latent = next(n for n in wf["nodes"] if n["type"] == "EmptyHunyuanLatentVideo")
+        assert latent["widgets_values"][:3] == [832, 480, 81], name  # 480p, 81 frames: what was measured
+    note = next(n for n in json.load(open(os.path.join(ROOT, "workflows", "Wan 2.1 video 480p 81 frames.json")))["nodes"]
+                if n["type"] == "Note")["widgets_values"][0]
+    m = gen.measured()
+    assert m["wan"] in note and "H100" in note and "ComfyUI 0.33" in note and "unpatched" in note
+    assert f"Wan 2.1 1.3B 480p/81f {m['wan']}" in readme  # the what-to-pick table
+    assert f"**{m['wan_exact']}**" in e2e  # docs/end-to-end.md's table gives three decimals
+    flux = next(n for n in json.load(open(os.path.join(ROOT, "workflows", "Flux.1 dev image 1024px.json")))["nodes"]
+                if n["type"] == "Note")["widgets_values"][0]
+    assert m["flux"] in flux and f"Flux-dev 1024² {m['flux']} per step" in readme
+
+
+def test_the_tuning_template_says_what_to_do_without_spargeattn():
+    wf = json.load(open(os.path.join(ROOT, "workflows", "Wan 2.1 sparse attention tuning.json")))
+    note = next(n for n in wf["nodes"] if n["type"] == "Note")["widgets_values"][0]
+    assert "Windows" in note and "kitchen_sol" in note and "Tune Sparse Attention" in note and "Tune SpargeAttn" not in note
+    assert any(g["title"].startswith("1 · Tune Sparse Attention") for g in wf["groups"])
+
+
+OLD_API = os.path.join(ROOT, "tests", "fixture_workflows", "wan21_sparge_tuning_saved_before_sparse_settings.api.json")
+
+
+def test_a_workflow_saved_before_the_settings_type_was_renamed_still_validates():
+    """API format: inputs by id (sparge_settings kept), links by slot; no type is stored."""
+    check_api(json.load(open(OLD_API)), own_node_info())
+
+
+def test_workflows_are_what_the_generator_writes(tmp_path, monkeypatch):
+    """workflows/ is generated (tests/tools/make_workflows.py): a hand edit would be lost on the next run."""
+    gen = _generator()
     for name, graph in gen.WORKFLOWS.items():
         assert json.load(open(os.path.join(ROOT, "workflows", f"{name}.json"))) == json.loads(json.dumps(gen.to_ui(graph)))
         assert json.load(open(os.path.join(ROOT, "workflows", "api", f"{name}.json"))) == json.loads(json.dumps(gen.to_api(graph)))
@@ -162,7 +204,7 @@ def test_api_workflows_against_this_packs_nodes(path):
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("path", UI + API, ids=lambda p: os.path.relpath(p, ROOT))
+@pytest.mark.parametrize("path", UI + API + [OLD_API], ids=lambda p: os.path.relpath(p, ROOT))
 def test_workflows_against_comfyui_node_definitions(path):
     import asyncio
 
@@ -186,4 +228,4 @@ def test_workflows_against_comfyui_node_definitions(path):
         return {"input": it, "input_order": {k: list(v) for k, v in it.items()}, "output": cls.RETURN_TYPES}
 
     wf = json.load(open(path))
-    (check_api if "/api/" in path else check_ui)(wf, info)
+    (check_api if "/api/" in path or path.endswith(".api.json") else check_ui)(wf, info)

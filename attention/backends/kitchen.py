@@ -84,8 +84,10 @@ def _sol_probe():
     import comfy_kitchen
 
     if not hasattr(comfy_kitchen, "sol_attn"):
-        return Availability(False, f"comfy-kitchen {av.version} has no sol_attn (needs >= {SOL_MIN_VERSION}; ComfyUI "
-                                   "0.33 pins 0.2.31, and install.py does not change what ComfyUI pins)")
+        return Availability(False, f"comfy-kitchen {av.version} has no Sol-Attn (it needs {SOL_MIN_VERSION} or later; "
+                                   "ComfyUI 0.33 comes with 0.2.31). To add it: python -m pip install "
+                                   f"comfy-kitchen=={SOL_MIN_VERSION}; README, 'Sol-Attn on ComfyUI 0.33', says what "
+                                   "that changes and how to undo it")
     if torch.cuda.is_available() and not comfy_kitchen.sol_attn_is_available():
         return Availability(False, f"comfy-kitchen {av.version}: no compiled sol_attn kernel for this GPU")
     return av

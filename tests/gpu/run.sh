@@ -2,7 +2,7 @@
 # The GPU runner: one script, named stages, logs and results under $OUT.
 #   bash tests/gpu/run.sh STAGE [STAGE ...]        (from the repo root, on the CUDA machine)
 #
-# Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz (SageAttention2 + SpargeAttn built by install.py
+# Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz or kernels.tar.xz (SageAttention2 + SpargeAttn built by install.py
 # for this GPU, torch and Python), kitchen-<version>.tar.xz (comfy-kitchen's package, its ROCm library left out; the
 # newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
 # torchsde, trampoline, comfy-aimdo), .src (the pinned upstream archives, <commit>.tar.gz, made by
@@ -45,6 +45,16 @@
 #                  rows at 480p (and 720p) with PSNR/SSIM against its fp32 run, and the gate calibration, inside
 #                  QUALITY_BUDGET seconds (default 460; what does not fit is listed as not reached)
 #   quality-more   a second call on the same machine with the saved weights: 720p rows and the whole calibration sweep
+#   fa4            FlashAttention-4, the four parts below in turn (~7-8 min expected, each time-boxed; each is a stage too):
+#   fa4-install    install.py --only flash_attn4 for real from the wheels in FA4_WHEELS (default $CARRY/fa4; a wheel over
+#                  the carry limit may come as X.whl.part-aa, -ab, ...: joined there), offline, torch checked before and
+#                  after, a second run, a --target install's import path without the .pth; then a fresh process imports
+#                  flash_attn.cute and calls it through the pack (tests/gpu/fa4.py install / check)
+#   fa4-compile    first-call (JIT compile) and steady time per declared head dim (bf16; fp16 on the common ones), which
+#                  new shapes compile again, FA4's own disk cache across processes (FA4_COMPILE_BUDGET s, default 100)
+#   fa4-mask       ComfyUI's bool/additive masks through FA4's mask_mod/score_mod: exactness vs fp32 SDPA, speed vs SDPA
+#                  with the same mask (FA4_MASK_BUDGET s, default 80)
+#   fa4-matrix     the contract matrix for flash_attn4 with its per-arch declarations
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -58,6 +68,7 @@ stage_env() {
   local carry=${CARRY:-.build/gpu}
   mkdir -p /tmp/kern
   [ -f "$carry/kernels.tgz" ] && tar xzf "$carry/kernels.tgz" -C /tmp/kern
+  [ -f "$carry/kernels.tar.xz" ] && tar xJf "$carry/kernels.tar.xz" -C /tmp/kern
   for k in "$carry"/kitchen-*.tar.xz; do
     [ -f "$k" ] || continue
     local v; v=$(basename "$k" .tar.xz); v=${v#kitchen-}
@@ -198,7 +209,33 @@ stage_quality-more() {
     --phases load,tune,rows-480p,concentration-720p,rows-720p,calibration-480p 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
 }
 
-[ $# -gt 0 ] || { sed -n '2,50p' "$0"; exit 2; }
+FA4_DIR=${FA4_WHEELS:-${CARRY:-.build/gpu}/fa4}
+FA4_END=0  # set by stage_fa4: one deadline for its four parts
+fa4_limit() {  # the part's own limit, cut to what is left before FA4_END
+  local own=$1 now; now=$(date +%s)
+  if [ "$FA4_END" -gt 0 ]; then own=$(( own < FA4_END - now ? own : FA4_END - now )); fi
+  echo $(( own > 10 ? own : 10 ))
+}
+stage_fa4-install() { timeout "$(fa4_limit 330)" $PY tests/gpu/fa4.py install --wheels "$FA4_DIR" --out "$OUT" 2>&1 | tail -n 70; }
+stage_fa4-compile() {
+  local b=${FA4_COMPILE_BUDGET:-100}
+  timeout "$(fa4_limit $(( b + 100 )))" $PY tests/gpu/fa4.py compile --out "$OUT" --budget "$b" 2>&1 | tail -n 100
+}
+stage_fa4-mask() {
+  local b=${FA4_MASK_BUDGET:-80}
+  timeout "$(fa4_limit $(( b + 70 )))" $PY tests/gpu/fa4.py mask --out "$OUT" --budget "$b" 2>&1 | tail -n 40
+}
+stage_fa4-matrix() {
+  timeout "$(fa4_limit 200)" $PY tests/gpu/matrix.py --out "$OUT/contract-fa4.json" --md "$OUT/contract-fa4.md" \
+    --backends flash_attn4 2>&1 | tail -n 30
+}
+stage_fa4() {  # all four within FA4_TOTAL seconds (default 540: one 10-minute call with a minute to spare)
+  FA4_END=$(( $(date +%s) + ${FA4_TOTAL:-540} ))
+  stage_fa4-install; stage_fa4-compile; stage_fa4-mask; stage_fa4-matrix
+  FA4_END=0
+}
+
+[ $# -gt 0 ] || { sed -n '2,57p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done

@@ -10,10 +10,13 @@ tests/test_workflows.py checks every node type and widget in the output against 
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 
-OUT = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), "workflows")
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+OUT = os.path.join(ROOT, "workflows")
+DATA = os.path.join(ROOT, "docs", "data")
 
 # node type -> (inputs that are links [(name, type)], widget names in order, outputs [(name, type)])
 IO = {
@@ -33,18 +36,19 @@ IO = {
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [], [("IMAGE", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
     "SaveAnimatedWEBP": ([("images", "IMAGE")], ["filename_prefix", "fps", "lossless", "quality", "method"], []),
-    "PatchAttention": ([("model", "MODEL"), ("sparge_settings", "SPARGE_SETTINGS")],
+    "PatchAttention": ([("model", "MODEL"), ("sparge_settings", "SPARSE_SETTINGS")],
                        ["backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats",
                         "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite", "sparse_start_percent"],
                        [("model", "MODEL")]),
     "SpargeAttnSettings": ([], ["variant", "simthreshd1", "cdfthreshd", "pvthreshd", "topk", "profile", "report_error_every"],
-                           [("sparge_settings", "SPARGE_SETTINGS")]),
+                           [("sparse_settings", "SPARSE_SETTINGS")]),
     "TuneSpargeAttn": ([("model", "MODEL")], ["variant", "error_budget", "profile_name", "pvthreshd_values"],
                        [("model", "MODEL")]),
     "AttentionBackendsInfo": ([], [], [("report", "STRING")]),
     "Note": ([], ["text"], []),
 }
 OPTIONAL_LINKS = {("PatchAttention", "sparge_settings")}
+LABELS = {("PatchAttention", "sparge_settings"): "sparse_settings"}  # the input's display name, saved as the frontend does
 UI_ONLY = {"Note"}  # not in the API format
 SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after generate" value in the UI format
 
@@ -76,15 +80,55 @@ def patch_widgets(backend="auto", start=0.0, end=1.0, dense="", log_stats=True):
 PATCH_NOTE = (
     "Patch Attention: the model that comes out attends with the backend you pick; the model that goes in is "
     "untouched.\n\n"
-    "Try first: backend = auto. On the first run it times every kernel this GPU can run on your model's real "
-    "shapes and keeps the fastest that matches SDPA's accuracy (remembered for later runs). log_stats prints "
+    "Try first: backend = auto. On the first run it times the kernels this GPU can run on your model's attention "
+    "calls and keeps the fastest that stays close to exact attention (remembered for later runs). log_stats prints "
     "which kernel ran, per call kind, after each run.\n\n"
     "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to "
     "SDPA, counted. start/end_percent: use the kernel only in this part of the schedule. dense_layers: layers kept "
-    "exact ('0-3, 10'). check_finite: redo a forward whose 8-bit kernel returned NaN. sparse_start_percent: sparse "
+    "exact ('0-3, 10'). check_finite: redo a step whose 8-bit kernel returned NaN. sparse_start_percent: sparse "
     "kernels (SpargeAttn, Sol-Attn) only from this part of the schedule on.\n\n"
     "Attention Backends Info (below) shows what is installed and why a kernel cannot run here."
 )
+
+
+def _rows(name):
+    with open(os.path.join(DATA, name)) as f:
+        return {(r["preset"], r["row"]): r for r in json.load(f)["rows"]}
+
+
+def measured():
+    """What each template's note quotes, from the run's own data file (docs/data), so that the notes, README and
+    docs/end-to-end.md quote one number."""
+    wan = _rows("e2e-core-whole-wan-1.3b-h100.json")
+    unp, auto = wan[("wan-1.3b", "unpatched")], wan[("wan-1.3b", "auto")]
+    flux = _rows("e2e-core-image-h100.json")[("flux-dev", "auto")]
+    img = _rows("e2e-image-h100-paired.json")
+    sd15, sdxl = img[("sd15", "auto")]["paired"]["vs_unpatched"], img[("sdxl", "auto")]["paired"]["vs_unpatched"]
+    return {
+        "wan": f"\u00d7{auto['whole_vs_unpatched']:.2f}",
+        "wan_exact": f"\u00d7{auto['whole_vs_unpatched']:.3f}",
+        "wan_note": (
+            f"Measured on one H100 with ComfyUI 0.33, this model at this size (480p, 81 frames), 10 steps, random "
+            f"weights: auto took {auto['s_per_step_whole']:.2f} s per step against {unp['s_per_step_whole']:.2f} s "
+            f"unpatched (ComfyUI's own attention, which runs PyTorch's flash kernel there): "
+            f"\u00d7{auto['whole_vs_unpatched']:.2f} over the whole run. Other GPUs are not measured: the Attention "
+            "Benchmark (end to end) node measures yours."),
+        "flux": f"\u00d7{flux['vs_unpatched']:.2f}",
+        "flux_note": (
+            f"Measured on one H100 with ComfyUI 0.33, Flux-dev at 1024x1024, random weights: auto ran "
+            f"\u00d7{flux['vs_unpatched']:.2f} per step against unpatched (ComfyUI's own attention, PyTorch's flash "
+            "kernel there; auto picked cuDNN). Other GPUs are not measured: the Attention Benchmark (end to end) node "
+            "measures yours."),
+        "sd_note": (
+            "Measured on one H100 with ComfyUI 0.3.64, random weights, 20 rounds: against unpatched, auto ran "
+            f"SD1.5 \u00d7{sd15[0]:.2f} (95 % interval {sd15[1]:.2f}-{sd15[2]:.2f}) and SDXL \u00d7{sdxl[0]:.2f} "
+            f"({sdxl[1]:.2f}-{sdxl[2]:.2f}) per step: no difference beyond the noise. These models keep an H100 "
+            "waiting on the CPU, not on attention. Other GPUs are not measured: the Attention Benchmark (end to end) "
+            "node measures yours."),
+    }
+
+
+MEASURED = measured()
 
 
 def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
@@ -92,7 +136,7 @@ def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
         "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
         "nodes": [
             (1, "CheckpointLoaderSimple", {"ckpt_name": ckpt}, {}, 0),
-            (10, "Note", {"text": PATCH_NOTE}, {}, 1),
+            (10, "Note", {"text": PATCH_NOTE + "\n\n" + MEASURED["sd_note"]}, {}, 1),
             (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}, 1),
             (9, "AttentionBackendsInfo", {}, {}, 1),
             (3, "CLIPTextEncode", {"text": prompt}, {"clip": (1, 1)}, 2),
@@ -114,7 +158,7 @@ def flux_graph():
             (3, "DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux",
                                    "device": "default"}, {}, 0),
             (9, "VAELoader", {"vae_name": "ae.safetensors"}, {}, 0),
-            (13, "Note", {"text": PATCH_NOTE}, {}, 1),
+            (13, "Note", {"text": PATCH_NOTE + "\n\n" + MEASURED["flux_note"]}, {}, 1),
             (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}, 1),
             (12, "AttentionBackendsInfo", {}, {}, 1),
             (4, "CLIPTextEncode", {"text": "a lighthouse on a cliff at dawn, photograph"}, {"clip": (3, 0)}, 2),
@@ -130,6 +174,7 @@ def flux_graph():
     }
 
 
+WAN_FRAMES = 81  # the size the numbers in the note were measured at
 WAN_FILES = {"unet": "wan2.1_t2v_1.3B_fp16.safetensors", "clip": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
              "vae": "wan_2.1_vae.safetensors"}  # the names ComfyUI's own Wan 2.1 example uses
 
@@ -142,14 +187,13 @@ def wan_graph():
             (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
             (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
             (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
-            (13, "Note", {"text": PATCH_NOTE + "\n\nVideo is where kernels pay most: on an H100, auto ran Wan 2.1 "
-                                  "1.3B at 480p/81 frames 1.29x faster than ComfyUI's attention (docs/end-to-end.md)."}, {}, 1),
+            (13, "Note", {"text": PATCH_NOTE + "\n\nVideo is where kernels pay most. " + MEASURED["wan_note"]}, {}, 1),
             (5, "PatchAttention", patch_widgets(), {"model": (4, 0)}, 1),
             (12, "AttentionBackendsInfo", {}, {}, 1),
             (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
              {"clip": (2, 0)}, 2),
             (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 2),
-            (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 33, "batch_size": 1}, {}, 2),
+            (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": WAN_FRAMES, "batch_size": 1}, {}, 2),
             (9, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
              {"model": (5, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3),
             (10, "VAEDecode", {}, {"samples": (9, 0), "vae": (3, 0)}, 4),
@@ -160,18 +204,22 @@ def wan_graph():
 
 
 SPARGE_NOTE = (
-    "SpargeAttn per-layer tuning, in two runs.\n\n"
-    "1. Queue once as it is: Tune SpargeAttn samples dense and, for every attention layer, finds the sparsest "
+    "Sparse attention tuned per layer (SpargeAttn), in two runs.\n\n"
+    "1. Queue once as it is: Tune Sparse Attention samples dense and, for every attention layer, finds the sparsest "
     "SpargeAttn thresholds within the error budget; it writes models/sparge_profiles/wan2.1_t2v_1.3B.json.\n\n"
     "2. Then select the muted group below (click its title) and press Ctrl+M to un-mute it, mute group 1 the same "
     "way, and queue again: SpargeAttn Settings loads the profile and Patch Attention samples with it.\n\n"
-    "A profile belongs to one model file; another model is refused with the reason."
+    "A profile belongs to one model file; another model is refused with the reason.\n\n"
+    "SpargeAttn is installed on Linux only (install.py builds it there; Windows installs have none, and "
+    "Attention Backends Info says so). Without it, set variant to kitchen_sol in Tune Sparse Attention and use a "
+    "Sol-Attn Settings node instead of SpargeAttn Settings (Sol-Attn needs comfy-kitchen 0.2.40 or later), or "
+    "sample with backend = auto."
 )
 
 
 def sparge_graph():
     return {
-        "groups": [("Load", 0), ("Prompt and latent", 1), ("1 · Tune SpargeAttn (run once)", 2),
+        "groups": [("Load", 0), ("Prompt and latent", 1), ("1 · Tune Sparse Attention (run once)", 2),
                    ("2 · Sample with the profile (un-mute after run 1)", 3)],
         "nodes": [
             (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
@@ -182,7 +230,7 @@ def sparge_graph():
             (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
              {"clip": (2, 0)}, 1),
             (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 1),
-            (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": 33, "batch_size": 1}, {}, 1),
+            (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": WAN_FRAMES, "batch_size": 1}, {}, 1),
             (9, "TuneSpargeAttn", {"variant": "sparge", "error_budget": 0.05, "profile_name": "wan2.1_t2v_1.3B",
                                    "pvthreshd_values": "50"}, {"model": (4, 0)}, 2),
             (10, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
@@ -278,10 +326,12 @@ def to_ui(graph):
         inputs = []
         for name, t in link_ins:
             link = next((lid_ for lid_, s, sl, d, n in links if d == nid and n == name), None)
+            slot = {"name": name, "type": t, "link": link}
+            if (typ, name) in LABELS:
+                slot["label"] = LABELS[(typ, name)]
             if (typ, name) in OPTIONAL_LINKS:
-                inputs.append({"name": name, "type": t, "link": link, "shape": 7})
-            else:
-                inputs.append({"name": name, "type": t, "link": link})
+                slot["shape"] = 7
+            inputs.append(slot)
         outputs = [{"name": n, "type": t, "links": out_links.get((nid, k), []), "slot_index": k} for k, (n, t) in enumerate(outs)]
         pos, size = place[nid]
         node = {"id": nid, "type": typ, "pos": pos, "size": size, "flags": {}, "order": order, "mode": mode,
@@ -296,25 +346,56 @@ def to_ui(graph):
     }
 
 
+# File name = the template's title in ComfyUI's template browser (frontend 1.49 shows custom nodes' templates by
+# file name, with no index of titles or descriptions).
 WORKFLOWS = {
-    "sd15_patch_attention": sd_graph("v1-5-pruned-emaonly.safetensors", 512, 20, 7.0, "euler", "normal",
-                                     "a watercolor fox in a snowy forest"),
-    "sdxl_patch_attention": sd_graph("sd_xl_base_1.0.safetensors", 1024, 25, 6.0, "dpmpp_2m", "karras",
-                                     "a red vintage car on a coastal road, golden hour"),
-    "flux_patch_attention": flux_graph(),
-    "wan21_t2v_patch_attention": wan_graph(),
-    "wan21_sparge_tuning": sparge_graph(),
+    "SD 1.5 image 512px": sd_graph("v1-5-pruned-emaonly.safetensors", 512, 20, 7.0, "euler", "normal",
+                                   "a watercolor fox in a snowy forest"),
+    "SDXL image 1024px": sd_graph("sd_xl_base_1.0.safetensors", 1024, 25, 6.0, "dpmpp_2m", "karras",
+                                  "a red vintage car on a coastal road, golden hour"),
+    "Flux.1 dev image 1024px": flux_graph(),
+    "Wan 2.1 video 480p 81 frames": wan_graph(),
+    "Wan 2.1 sparse attention tuning": sparge_graph(),
 }
 
 
-def thumbnails(shots: str, width: int = 640):
-    from PIL import Image
+# What a template's card says under its title: frontend 1.49 shows a custom node pack's template as its thumbnail and
+# file name only, so the thumbnail carries the description.
+DESCRIPTIONS = {
+    "SD 1.5 image 512px": "SD 1.5, 512x512, 20 steps. Patch Attention set to auto; the note says what each input does.",
+    "SDXL image 1024px": "SDXL, 1024x1024, 25 steps. Patch Attention set to auto; the note says what each input does.",
+    "Flux.1 dev image 1024px": f"Flux.1 dev, 1024x1024. auto ran {MEASURED['flux']} per step on an H100 "
+                               "(ComfyUI 0.33).",
+    "Wan 2.1 video 480p 81 frames": f"Wan 2.1 1.3B text to video, 480p, 81 frames. auto ran {MEASURED['wan']} "
+                                    "over a whole run on an H100 (ComfyUI 0.33).",
+    "Wan 2.1 sparse attention tuning": "Wan 2.1: tune sparse attention per layer in one run, then sample with the "
+                                       "profile in the next.",
+}
 
+
+def thumbnails(shots: str, size: int = 512):
+    """workflows/<name>.jpg: the graph (from tests/test_browser.py's screenshot) above the template's description."""
+    import textwrap
+
+    from PIL import Image, ImageChops, ImageDraw, ImageFont
+
+    band = 150
+    font = ImageFont.load_default(size=26)
     for name in WORKFLOWS:
-        img = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
-        img = img.crop((60, 60, min(img.width, 1900), min(img.height, 1250)))  # the canvas, without the side bar
-        img.thumbnail((width, width))
-        img.save(os.path.join(OUT, f"{name}.jpg"), quality=85)
+        shot = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
+        shot = shot.crop((60, 60, min(shot.width, 1900), min(shot.height, 1250)))  # the canvas, without the side bar
+        box = ImageChops.difference(shot, Image.new("RGB", shot.size, shot.getpixel((shot.width - 1, shot.height - 1))))
+        bbox = box.convert("L").point(lambda v: 255 if v > 24 else 0).getbbox() or (0, 0, shot.width, shot.height)
+        shot = shot.crop(bbox)
+        shot.thumbnail((size - 16, size - band - 16))
+        card = Image.new("RGB", (size, size), (32, 32, 36))
+        card.paste(shot, ((size - shot.width) // 2, 8 + (size - band - 16 - shot.height) // 2))
+        draw = ImageDraw.Draw(card)
+        draw.rectangle((0, size - band, size, size), fill=(20, 20, 24))
+        text = DESCRIPTIONS[name].replace("\u00d7", "x")  # the built-in font has no multiplication sign
+        for i, line in enumerate(textwrap.wrap(text, 36)[:4]):
+            draw.text((16, size - band + 12 + 32 * i), line, font=font, fill=(235, 235, 235))
+        card.save(os.path.join(OUT, f"{name}.jpg"), quality=88)
     print("thumbnails for", ", ".join(WORKFLOWS))
 
 
@@ -324,6 +405,9 @@ def main():
     if "--thumbnails" in sys.argv:
         return thumbnails(sys.argv[sys.argv.index("--thumbnails") + 1])
     os.makedirs(os.path.join(OUT, "api"), exist_ok=True)
+    for stale in glob.glob(os.path.join(OUT, "*.json")) + glob.glob(os.path.join(OUT, "api", "*.json")):
+        if os.path.splitext(os.path.basename(stale))[0] not in WORKFLOWS:  # a template renamed or dropped
+            os.remove(stale)
     for name, graph in WORKFLOWS.items():
         with open(os.path.join(OUT, f"{name}.json"), "w") as f:
             json.dump(to_ui(graph), f, indent=1)
