@@ -7,8 +7,7 @@ setting, the per-call numbers the gate would see (the audit of its first call), 
 fp32 run of the same seed and its time per step.  The *exact floor* is the PSNR of the exact kernels' runs (half
 precision rounding only): no kernel can be asked to do better.
 
-The rule (from the issue that asked for it): **the fastest setting whose final PSNR stays within 1 dB of the exact
-floor.**  From it:
+The rule: **the fastest setting whose final PSNR stays within 1 dB of the exact floor.**  From it:
 
 - :func:`fastest_within` picks that setting;
 - :func:`propose_gate` proposes the gate that lets ``auto`` reach it: of the gates that admit *no* setting below

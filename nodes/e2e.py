@@ -462,7 +462,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["finite"] = bool(torch.isfinite(lat).all())
         r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
         r["exact"] = is_exact_row(row)
-        if ref is not None:  # the issue's pairwise check: two exact kernels' outputs against each other
+        if ref is not None:  # two exact kernels' outputs against each other
             r["psnr_vs_unpatched"] = psnr(lat, ref.float())
         if quality_ref is not None:
             r.update(compare(lat, quality_ref))
