@@ -509,8 +509,13 @@ def reference_latent(job: Job, unpatched):
     with the same seed and steps where the job has one, else the unpatched row's."""
     if job.reference is None:
         return unpatched, UNPATCHED
-    lat = _sample(job.reference, job, job.steps)
-    _sync()
+    try:
+        lat = _sample(job.reference, job, job.steps)
+        _sync()
+    except Exception as e:  # the rows keep a reference: the unpatched one, and the table's header says which
+        log.warning("e2e %s: the %s reference run failed (%s: %s); PSNR/SSIM against the unpatched row instead",
+                    job.label, job.reference_label, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return unpatched, UNPATCHED
     return lat.float(), job.reference_label
 
 
