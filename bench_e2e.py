@@ -5,8 +5,16 @@
     python bench_e2e.py --preset sdxl --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto --compile
 
 Rows: unpatched (ComfyUI's own attention), every usable backend, auto, and peer:<kernel> (the kernel called straight
-from ComfyUI's hook, as other packs do).  Finds ComfyUI through COMFYUI_PATH or as the ComfyUI this pack sits in.
-On your own model, with real weights, use the "Attention Benchmark (end to end)" node instead.
+from ComfyUI's hook, as other packs do); a sparse backend with options or a tuned profile, e.g. kitchen_sol[tau=2.0].
+Finds ComfyUI through COMFYUI_PATH or as the ComfyUI this pack sits in.  On your own model, with real weights, use
+the "Attention Benchmark (end to end)" node instead.
+
+Random weights measure speed at real model sizes; they cannot measure quality (attention is flat, and every kernel's
+output sits on the same noise floor).  For quality, the stand-in (docs/quality.md, tools/standin.py): a Wan-class
+model with learned attention, compared per row by PSNR/SSIM with its fp32 run of the same seed:
+
+    python tools/standin.py train --out standin.safetensors
+    python bench_e2e.py --standin standin.safetensors --preset standin-480p --steps 10 --md q.md --png q.png
 """
 
 from __future__ import annotations
@@ -40,7 +48,11 @@ def _load_pack():
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b, wan-1.3b-720p, "
-                                                      "wan-14b-720p, wan-1.3b-33f (repeatable; default all)")
+                                                      "wan-14b-720p, wan-1.3b-33f (repeatable; default all); "
+                                                      "standin-480p, standin-720p (with --standin)")
+    ap.add_argument("--standin", default=os.environ.get("STANDIN_WEIGHTS"),
+                    help="the stand-in's weights (tools/standin.py train), for the standin-* presets; default "
+                         "$STANDIN_WEIGHTS")
     ap.add_argument("--rows", default="", help="comma-separated rows (default: every usable backend, auto and peers)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn")
@@ -66,7 +78,10 @@ def main(argv=None):
                 d = json.load(f)
             rows += d["rows"]
             metas.append(d["meta"])
-        plot(rows, a.png, {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))})
+        m = {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))}
+        plot(rows, a.png, m)
+        if any("psnr" in r for r in rows):
+            plot_frontier(rows, a.png.replace(".png", "-frontier.png"), m)
         return
 
     sys.path.insert(0, _comfyui())
@@ -83,20 +98,31 @@ def main(argv=None):
     if a.dynamic_vram:
         e2e.enable_dynamic_vram()
     presets = a.preset or list(e2e.PRESETS)
+    unknown = [p for p in presets if p not in e2e.PRESETS and p not in STANDIN_PRESETS]
+    if unknown:
+        ap.error(f"unknown preset(s) {', '.join(unknown)}")
+    if any(p in STANDIN_PRESETS for p in presets) and not a.standin:
+        ap.error("the standin-* presets need --standin PATH (python tools/standin.py train --out PATH makes it)")
     rows = [r.strip() for r in a.rows.split(",") if r.strip()] or e2e.default_rows(peers=not a.no_peers)
     modes = [True] if a.compile_only else [False, True] if a.compile else [False]
     results = []
+    descs = {p: (STANDIN_PRESETS[p][1] if p in STANDIN_PRESETS else e2e.PRESETS[p][6]) for p in presets}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": {p: e2e.PRESETS[p][6] for p in presets}}
-    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, random bf16 "
-              f"weights · euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
+            "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": descs}
+    weights = ("the stand-in's trained weights (bf16; PSNR/SSIM against its fp32 run of the same seed)"
+               if all(p in STANDIN_PRESETS for p in presets) else "random bf16 weights")
+    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, {weights} "
+              f"· euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
               f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
               f"synced), so loading, setup and the first step are not in it; "
               f"'whole run' is from the sampler's start to its last step over the number of steps, the first included · "
               f"ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
-        job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
+        if preset in STANDIN_PRESETS:
+            job = standin_job(e2e, a.standin, preset)
+        else:
+            job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
         for compile in modes:
             results += e2e.measure(job, rows, compile=compile, profile=a.profile, profile_step=a.profile_step, rounds=a.rounds, stat=a.stat,
@@ -108,11 +134,42 @@ def main(argv=None):
     save(a, meta, header, results, e2e, final=True)
 
 
+STANDIN_PRESETS = {"standin-480p": ("480p", "the Wan-class stand-in (tools/standin.py), 480p (832x480), 81 frames, CFG 5"),
+                   "standin-720p": ("720p", "the Wan-class stand-in (tools/standin.py), 720p (1280x720), 81 frames, CFG 5")}
+
+
+def standin_module():
+    """tools/standin.py (loaded by path: it is a script beside the pack, not part of it)."""
+    name = "patch_attention_standin"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, "tools", "standin.py"))
+        mod = importlib.util.module_from_spec(spec)
+        sys.modules[name] = mod
+        spec.loader.exec_module(mod)
+    return sys.modules[name]
+
+
+def standin_job(e2e, path, preset, device="cuda", grid=None):
+    """The stand-in through ComfyUI's loader, in bf16, with its fp32 copy as the quality reference and its codec to
+    decode frames; ``grid``: another latent (T, H, W) than the preset's."""
+    import torch
+
+    sd = standin_module()
+    meta = sd.read_meta(path)
+    model = sd.load(path, torch.bfloat16, device)
+    grid = grid or sd.PRESETS[STANDIN_PRESETS[preset][0]]
+    pos, neg = sd.conditioning(meta)
+    return e2e.Job(model, pos, neg, torch.zeros(1, sd.LATENT_CHANNELS, *grid), cfg=5.0, label=preset,
+                   extra={"description": STANDIN_PRESETS[preset][1], "decode": lambda lat: sd.decode(model, lat, meta)},
+                   reference=sd.load(path, torch.float32, device), reference_label="fp32")
+
+
 def save(a, meta, header, results, e2e, final):
     md = e2e.render_markdown(results, header)
     tlines = []
     for p in dict.fromkeys(r["preset"] for r in results):
-        for t in e2e.targets([r for r in results if r["preset"] == p and not r.get("compile")]):
+        mine = [r for r in results if r["preset"] == p and not r.get("compile")]
+        for t in e2e.targets(mine) + e2e.quality_targets(mine):
             verdict = "n/a (auto's error is higher)" if not t["applies"] else ("met" if t["met"] else "MISSED")
             tlines.append(f"| {p} | {t['target']} | x{t['ratio']:.3f} | {verdict} | {t['detail']} |")
             t["preset"] = p
@@ -138,6 +195,8 @@ def save(a, meta, header, results, e2e, final):
             json.dump({"meta": meta, "rows": results}, f, indent=1)
     if a.png and final:
         plot(results, a.png, meta)
+        if any("psnr" in r for r in results):
+            plot_frontier(results, a.png.replace(".png", "-frontier.png"), meta)
 
 
 def plot(rows, path, meta):
@@ -168,6 +227,48 @@ def plot(rows, path, meta):
         ax.tick_params(labelsize=7)
     fig.suptitle(f"{meta['gpu']} · torch {meta['torch']} · {meta['date']}", fontsize=9)
     fig.tight_layout(rect=(0, 0, 1, 1 - 0.25 / fig.get_figheight()))
+    fig.savefig(path, dpi=110)
+
+
+def frontier(points):
+    """The points no other point beats on both speed and PSNR (higher is better on both), fastest first."""
+    out = []
+    for p in sorted(points, key=lambda p: (-p[0], -p[1])):
+        if not out or p[1] > out[-1][1]:
+            out.append(p)
+    return out
+
+
+def plot_frontier(rows, path, meta):
+    """Speed (whole run against unpatched) against PSNR (against the reference run), one panel per preset; the exact
+    floor and its 1 dB band; the frontier."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    presets = list(dict.fromkeys(r["preset"] for r in rows if "psnr" in r))
+    fig, axes = plt.subplots(1, len(presets), figsize=(7 * len(presets), 5.5), squeeze=False)
+    for ax, p in zip(axes[0], presets):
+        rs = [r for r in rows if r["preset"] == p and "psnr" in r and "whole_vs_unpatched" in r]
+        cap = max([r["psnr"] for r in rs if r["psnr"] != float("inf")] or [0.0]) + 3
+        pts = [(r["whole_vs_unpatched"], min(r["psnr"], cap), r["row"]) for r in rs]
+        for x, y, name in pts:
+            exact = next((r.get("exact") for r in rs if r["row"] == name), False)
+            ax.plot(x, y, "o", color="#888" if exact else "#c33" if name == "auto" else "#369")
+            ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
+        fr = frontier(pts)
+        ax.plot([x for x, _, _ in fr], [y for _, y, _ in fr], "k--", lw=0.8, label="frontier")
+        floor = next((r.get("floor_psnr") for r in rs if r.get("floor_psnr") is not None), None)
+        if floor is not None and floor != float("inf"):
+            ax.axhline(floor, color="g", lw=0.8, label="exact floor")
+            ax.axhspan(floor - 1, floor, color="g", alpha=0.1, label="within 1 dB")
+        ax.set_xlabel("whole run: speed vs unpatched (x)")
+        ax.set_ylabel(f"PSNR dB vs {rs[0].get('reference', 'reference') if rs else ''}")
+        ax.set_title(p, fontsize=9)
+        ax.legend(fontsize=7)
+    fig.suptitle(f"{meta['gpu']} · torch {meta['torch']} · {meta['date']}: speed against quality", fontsize=9)
+    fig.tight_layout()
     fig.savefig(path, dpi=110)
 
 

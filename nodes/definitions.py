@@ -360,7 +360,8 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
     chosen = [r.strip() for r in rows.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
     if chosen:
         known = set(e2e.default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *e2e.CORE_ROWS}
-        unknown = [r for r in chosen if r not in known and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
+        unknown = [r for r in chosen if e2e.parse_row(r)[0] not in known
+                   and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
         if unknown:
             raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, a backend name, peer:<backend>, "
                              f"{e2e.CORE_INT8} or {e2e.CORE_SOL}")
@@ -385,7 +386,8 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
 
         results = e2e.measure(job, row_list, compile=compile, progress=progress)
     return (e2e.render_markdown(results, f"{steps} {sampler_name}/{scheduler} steps per row after a 2-step warm-up, "
-                                         f"cfg {cfg}; final latent compared with the unpatched model's"),)
+                                         f"cfg {cfg}; final latent compared with the unpatched model's (PSNR/SSIM: "
+                                         f"each channel of each frame as an image)"),)
 
 
 SAMPLERS, SCHEDULERS = _sampling_options()
@@ -395,7 +397,8 @@ BENCH_E2E = Node(
     display_name="Attention Benchmark (end to end)",
     description="Samples your model with your conditioning and latent once per attention backend (and unpatched, auto, "
                 "and peer patches that call a kernel straight from ComfyUI's hook): seconds per step, speed against "
-                "unpatched, how far each final latent is from the unpatched one, peak VRAM, which kernels ran. "
+                "unpatched, how far each final latent is from the unpatched one (cosine, relative L1, PSNR and SSIM, beside "
+                "the difference between two exact kernels), peak VRAM, which kernels ran. "
                 "Real weights are where sparse and 8-bit kernels show their real error. Takes a while: rows x (steps+1).",
     inputs=[
         In("model", "MODEL"),
@@ -408,7 +411,8 @@ BENCH_E2E = Node(
         In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
         In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, backend names, peer:<backend>, "
-           "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention)."),
+           "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention), "
+           "a sparse backend with options or a tuned profile: kitchen_sol[tau=2.0], sparge[profile=my_model.json]."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),
     ],

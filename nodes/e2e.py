@@ -4,7 +4,10 @@ One row per way of running attention, all in one process on one model: the unpat
 attention); Patch Attention with each backend; ``auto``; and ``peer:<kernel>``, an override that calls the kernel
 straight from ComfyUI's hook with nothing else (what other node packs do), the yardstick for our dispatch cost.
 Columns: seconds per step (a warm-up run first: compile, tuning and kernel loading stay out), ratio to unpatched,
-cosine and relative L1 of the final latent against the unpatched one, peak VRAM, and which kernels ran.
+cosine and relative L1 of the final latent against the unpatched one, PSNR and SSIM of the final latent against the
+reference run of the same seed (an fp32 run where the job has one, else the unpatched row) beside the exact-kernel
+floor (:mod:`attention.quality`), peak VRAM, and which kernels ran.  A row may carry a sparse kernel's options or a
+tuned profile: ``kitchen_sol[tau=2.0]``, ``sparge[cdfthreshd=0.95 simthreshd1=0.5]``, ``sparge[profile=PATH]``.
 
 Used by the Attention Benchmark (end to end) node on the user's model and by ``bench_e2e.py`` on ComfyUI's model
 classes at full size with random weights (``PRESETS``).
@@ -23,6 +26,7 @@ import torch
 
 from ..attention import REGISTRY
 from ..attention.auto import accuracy
+from ..attention.quality import AT_FLOOR, compare, psnr, verdict
 from .patch import SPARSE_START, override_of, patch_model
 
 log = logging.getLogger("patch_attention.e2e")
@@ -163,9 +167,50 @@ def core_sol_override(previous, window):
     return override
 
 
+ROW_OPTIONS = re.compile(r"^([A-Za-z0-9_]+)\[([^\[\]]*)\]$")
+
+
+def parse_row(row: str) -> tuple[str, dict]:
+    """``"kitchen_sol[tau=2.0 extra_tokens=128]"`` -> ("kitchen_sol", {"tau": 2.0, "extra_tokens": 128}); a row without
+    brackets -> (row, {}).  ``profile=PATH`` names a tuned per-layer profile (Tune Sparse Attention's file)."""
+    m = ROW_OPTIONS.match(row.strip())
+    if m is None:
+        return row, {}
+    opts = {}
+    for part in m.group(2).split():
+        key, eq, val = part.partition("=")
+        if not eq or not key or not val:
+            raise ValueError(f"row {row!r}: cannot read {part!r}; use name[key=value key=value]")
+        if key == "profile":
+            opts[key] = val
+            continue
+        try:
+            num = float(val)
+        except ValueError:
+            raise ValueError(f"row {row!r}: {key}={val!r} is not a number") from None
+        opts[key] = int(num) if num.is_integer() and key in ("extra_tokens", "min_tokens", "pvthreshd") else num
+    return m.group(1), opts
+
+
+def row_settings(backend: str, opts: dict):
+    """The sparse-attention settings a row's options make (what a SpargeAttn / Sol-Attn Settings node would give)."""
+    from ..attention.sparge_profile import VARIANTS, check_thresholds, default_options
+    from .definitions import SpargeSettings, load_profile
+
+    if backend not in VARIANTS:
+        raise ValueError(f"row options are for the sparse backends ({', '.join(VARIANTS)}), not {backend}")
+    rest = {k: v for k, v in opts.items() if k != "profile"}
+    options = check_thresholds(backend, {**default_options(backend), **rest})
+    return SpargeSettings(backend, options, load_profile(opts.get("profile", ""), backend))
+
+
 def make_row_model(model, row: str):
     """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention, with the node's defaults),
-    ``<backend>/no-nan-net``, peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
+    ``<backend>[options]`` (a sparse backend with its options or a tuned profile), ``<backend>/no-nan-net``,
+    peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
+    base, opts = parse_row(row)
+    if opts:
+        return patch_model(model, base, auto_retune=True, sparge=row_settings(base, opts), sparse_start_percent=SPARSE_START)
     if row == UNPATCHED:
         return model.clone()
     if row in CORE_ROWS:
@@ -222,6 +267,9 @@ class Job:
     seed: int = 0
     label: str = ""
     extra: dict = field(default_factory=dict)
+    # a model whose run of the same seed is the quality reference (an fp32 copy); None: the unpatched row is
+    reference: object = None
+    reference_label: str = "fp32"
 
 
 def _sample(model, job: Job, steps: int, callback=None):
@@ -399,6 +447,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             if torch.cuda.is_available():
                 peaks[row] = max(peaks.get(row, 0.0), torch.cuda.max_memory_allocated() / 2**30)
     ref = latents.get(UNPATCHED)
+    quality_ref, quality_label = reference_latent(job, ref)
     for r, row in zip(out_rows, rows):
         if row not in models:
             continue
@@ -412,6 +461,16 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             r["peak_gib"] = round(peaks[row], 2)
         r["finite"] = bool(torch.isfinite(lat).all())
         r["cos"], r["rel_l1"] = accuracy(lat, ref if ref is not None else lat)
+        r["exact"] = is_exact_row(row)
+        if ref is not None:  # two exact kernels' outputs against each other
+            r["psnr_vs_unpatched"] = psnr(lat, ref.float())
+        if quality_ref is not None:
+            r.update(compare(lat, quality_ref))
+            r["reference"] = quality_label
+            decode = job.extra.get("decode")
+            if decode is not None:  # the model's own decoder (the stand-in's codec): PSNR/SSIM of the frames too
+                fr = compare(decode(lat), decode(quality_ref))
+                r["psnr_frames"], r["ssim_frames"] = fr["psnr"], fr["ssim"]
         if profile:
             r["profile"] = profile_one_step(m, job, step=profile_step)
         r["kernels"] = kernels_that_ran(m) or r.get("note") or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
@@ -429,7 +488,50 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             x["whole_vs_unpatched"] = round(unp["s_per_step_whole"] / x["s_per_step_whole"], 3)
     if rounds >= 3:
         add_paired(out_rows, rows, times)
+    add_floor(out_rows)
     return out_rows
+
+
+def is_exact_row(row: str) -> bool:
+    """A row whose attention is exact (half-precision rounding only): unpatched, an exact backend, its peer."""
+    base = row.replace(" +compile", "")
+    if base.endswith(NO_NAN_NET):
+        base = base[: -len(NO_NAN_NET)]
+    if base.startswith(PEER):
+        base = base[len(PEER):]
+    if base == UNPATCHED:
+        return True
+    return base in REGISTRY and not REGISTRY.get(base).quantized
+
+
+def reference_latent(job: Job, unpatched):
+    """(latent, label) the rows' PSNR/SSIM are taken against: the run of ``job.reference`` (an fp32 copy of the model)
+    with the same seed and steps where the job has one, else the unpatched row's."""
+    if job.reference is None:
+        return unpatched, UNPATCHED
+    try:
+        lat = _sample(job.reference, job, job.steps)
+        _sync()
+    except Exception as e:  # the rows keep a reference: the unpatched one, and the table's header says which
+        log.warning("e2e %s: the %s reference run failed (%s: %s); PSNR/SSIM against the unpatched row instead",
+                    job.label, job.reference_label, type(e).__name__, str(e).splitlines()[0][:200] if str(e) else "")
+        return unpatched, UNPATCHED
+    return lat.float(), job.reference_label
+
+
+def add_floor(out_rows) -> None:
+    """The exact-kernel floor beside every row's PSNR: against an fp32 reference, the worst PSNR of the exact rows
+    (what half-precision rounding alone costs); against the unpatched row, the PSNR of the other exact rows (two exact
+    kernels' difference).  Each row gets ``floor_psnr`` and ``quality`` (:func:`attention.quality.verdict`)."""
+    measured = [r for r in out_rows if "psnr" in r]
+    if not measured:
+        return
+    ref_is_row = measured[0].get("reference") == UNPATCHED
+    exact = [r for r in measured if r.get("exact") and not (ref_is_row and r["row"].startswith(UNPATCHED))]
+    floor = min((r["psnr"] for r in exact), default=None)
+    for r in measured:
+        r["floor_psnr"] = floor
+        r["quality"] = verdict(r["psnr"], floor) if floor is not None else "no exact row besides the reference: no floor"
 
 
 def add_paired(out_rows, rows, times) -> None:
@@ -488,16 +590,24 @@ def _ci(p) -> str:
     return f"×{p[0]:.3f} [{p[1]:.3f}, {p[2]:.3f}]"
 
 
+def _db(x: float) -> str:
+    return "∞" if x == math.inf else f"{x:.2f}"
+
+
 def render_markdown(rows: list[dict], header: str = "") -> str:
     paired = any("paired" in r for r in rows)
+    quality = any("psnr" in r for r in rows)
+    ref = next((r["reference"] for r in rows if "reference" in r), UNPATCHED)
     lines = [header, ""] if header else []
     extra = " paired per round, vs unpatched [95 % interval] | vs peer / auto vs the best row [95 % interval] |" if paired else ""
+    qcols = f" PSNR dB / SSIM vs {ref} | vs the exact floor |" if quality else ""
     lines += ["| preset | row | s/step | speed vs unpatched | whole run: s/step, vs unpatched |" + extra +
-              " cos / rel-L1 vs unpatched | peak VRAM GiB | kernels that ran |",
-              "|---|---|---|---|---|" + ("---|---|" if paired else "") + "---|---|---|"]
+              " cos / rel-L1 vs unpatched |" + qcols + " peak VRAM GiB | kernels that ran |",
+              "|---|---|---|---|---|" + ("---|---|" if paired else "") + "---|" + ("---|---|" if quality else "") + "---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | | |" + (" | |" if paired else "") + " | | |")
+            lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | | |" + (" | |" if paired else "") + " |"
+                         + (" | |" if quality else "") + " | |")
             continue
         kern = r.get("kernels", "") + (f" (auto: {r['auto']})" if r.get("auto") else "")
         cols = ""
@@ -510,9 +620,67 @@ def render_markdown(rows: list[dict], header: str = "") -> str:
                 other = f"vs {r['best_row']} (best) " + _ci(p["vs_best"])
             cols = f" {_ci(p['vs_unpatched']) if 'vs_unpatched' in p else ''} | {other} |"
         whole = f" {r['s_per_step_whole']:.4f}, ×{r['whole_vs_unpatched']:.3f} |" if "whole_vs_unpatched" in r else " |"
+        q = ""
+        if quality:
+            q = (f" {_db(r['psnr'])} / {r['ssim']:.4f} | {r.get('quality', '')} |" if "psnr" in r else " | |")
         lines.append(f"| {r['preset']} | {r['row']} | {r['s_per_step']:.4f} | ×{r.get('vs_unpatched', 0):.3f} |{whole}{cols} "
-                     f"{r['cos']:.5f} / {r['rel_l1']:.4f}{'' if r['finite'] else ' NaN'} | {r.get('peak_gib', '')} | {kern} |")
+                     f"{r['cos']:.5f} / {r['rel_l1']:.4f}{'' if r['finite'] else ' NaN'} |{q} {r.get('peak_gib', '')} | {kern} |")
+    floor = next((r["floor_psnr"] for r in rows if r.get("floor_psnr") is not None), None)
+    if quality and floor is None:
+        lines += ["", f"No exact floor: no exact row besides {ref} (add one, e.g. sdpa_cudnn)."]
+    elif quality:
+        what = ("the worst exact row: what half-precision rounding alone costs" if ref != UNPATCHED else
+                "the other exact rows against the unpatched one: two exact kernels' difference")
+        lines += ["", f"Exact floor: PSNR {_db(floor)} dB against {ref} ({what}). Rows '{AT_FLOOR}' are as close to "
+                      "the reference as an exact kernel is."]
+        pairs = [r for r in rows if r.get("exact") and "psnr_vs_unpatched" in r and not r["row"].startswith(UNPATCHED)]
+        if ref != UNPATCHED and pairs:
+            lines.append("Exact kernels against the unpatched one (PSNR): " +
+                         ", ".join(f"{r['row']} {_db(r['psnr_vs_unpatched'])} dB" for r in pairs) + ".")
     return "\n".join(lines)
+
+
+def quality_targets(rows: list[dict], tolerance: float = 0.02, tolerance_db: float = 1.0, whole_target: float = 2.0) -> list[dict]:
+    """The promises stated at a quality (PSNR against the reference run), from one run's rows: ``auto`` at least as
+    fast as every row whose PSNR it matches or beats; ``auto`` within ``tolerance`` of the fastest row at its quality
+    (PSNR at least ``auto``'s); ``auto``'s whole run at least ``whole_target`` x unpatched at a PSNR within
+    ``tolerance_db`` of the exact floor; a tuned profile (``<kernel>[profile=...]``) faster than the same kernel's
+    defaults at equal or better PSNR."""
+    ok = {r["row"].replace(" +compile", ""): r for r in rows if "s_per_step" in r and "psnr" in r}
+    out = []
+    auto = ok.get("auto")
+    if auto is not None:
+        worse = [r for n, r in ok.items() if n != "auto" and r["psnr"] <= auto["psnr"]]
+        if worse:
+            slowest_gap = min(worse, key=lambda r: r["s_per_step"] / auto["s_per_step"])
+            ratio = slowest_gap["s_per_step"] / auto["s_per_step"]
+            out.append({"target": "auto >= every row whose PSNR it matches or beats", "ratio": round(ratio, 3),
+                        "applies": True, "met": ratio >= 1.0,
+                        "detail": f"closest: {slowest_gap['row']} (PSNR {_db(slowest_gap['psnr'])} vs auto {_db(auto['psnr'])})"})
+        better = [r for n, r in ok.items() if n != "auto" and r["psnr"] >= auto["psnr"]]
+        if better:
+            best = min(better, key=lambda r: r["s_per_step"])
+            ratio = best["s_per_step"] / auto["s_per_step"]
+            out.append({"target": f"auto within {tolerance:.0%} of the fastest row at its quality ({best['row']})",
+                        "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
+                        "detail": f"{len(better)} rows with PSNR >= {_db(auto['psnr'])}"})
+        floor = auto.get("floor_psnr")
+        if "whole_vs_unpatched" in auto and floor is not None:
+            within = auto["psnr"] >= floor - tolerance_db
+            out.append({"target": f"auto whole run >= x{whole_target:g} over unpatched within {tolerance_db:g} dB of the floor",
+                        "ratio": auto["whole_vs_unpatched"], "applies": True,
+                        "met": bool(within and auto["whole_vs_unpatched"] >= whole_target),
+                        "detail": f"PSNR {_db(auto['psnr'])} vs floor {_db(floor)}"})
+    for name, r in ok.items():
+        base, opts = parse_row(name)
+        if "profile" not in opts or base not in ok:
+            continue
+        d = ok[base]
+        ratio = d["s_per_step"] / r["s_per_step"]
+        out.append({"target": f"tuned {base} profile faster than its defaults at equal or better PSNR",
+                    "ratio": round(ratio, 3), "applies": True, "met": ratio > 1.0 and r["psnr"] >= d["psnr"],
+                    "detail": f"PSNR {_db(r['psnr'])} vs defaults {_db(d['psnr'])}"})
+    return out
 
 
 # ---------------------------------------------------------------- presets: ComfyUI's classes at full size

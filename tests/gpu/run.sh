@@ -40,6 +40,11 @@
 #   install-manager  install.py as ComfyUI Manager runs it: no arguments, no terminal, no network
 #   hostcost       host time per attention call: ComfyUI's function, sdpa, each Sage kernel with/without the NaN net, peers
 #   sparge         SpargeAttn threshold sweep and tuned-vs-default (tests/gpu/sparge_*.py)
+#   quality        the stand-in (tests/gpu/quality.py, docs/quality.md): trains it (TRAIN_SECONDS, default 190), saves it
+#                  to STANDIN_WEIGHTS (default /tmp/standin.safetensors), measures its attention's concentration, the
+#                  rows at 480p (and 720p) with PSNR/SSIM against its fp32 run, and the gate calibration, inside
+#                  QUALITY_BUDGET seconds (default 460; what does not fit is listed as not reached)
+#   quality-more   a second call on the same machine with the saved weights: 720p rows and the whole calibration sweep
 #   fa4            FlashAttention-4, the four parts below in turn (~7-8 min expected, each time-boxed; each is a stage too):
 #   fa4-install    install.py --only flash_attn4 for real from the wheels in FA4_WHEELS (default $CARRY/fa4; a wheel over
 #                  the carry limit may come as X.whl.part-aa, -ab, ...: joined there), offline, torch checked before and
@@ -196,6 +201,14 @@ stage_sparge() {
   timeout 200 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 25
 }
 
+stage_quality() {
+  timeout 520 $PY tests/gpu/quality.py --out "$OUT" 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
+}
+stage_quality-more() {
+  timeout 560 $PY tests/gpu/quality.py --out "$OUT/more" --skip-train --budget "${QUALITY_BUDGET:-520}" --sweep 12 \
+    --phases load,tune,rows-480p,concentration-720p,rows-720p,calibration-480p 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
+}
+
 FA4_DIR=${FA4_WHEELS:-${CARRY:-.build/gpu}/fa4}
 FA4_END=0  # set by stage_fa4: one deadline for its four parts
 fa4_limit() {  # the part's own limit, cut to what is left before FA4_END
@@ -222,7 +235,7 @@ stage_fa4() {  # all four within FA4_TOTAL seconds (default 540: one 10-minute c
   FA4_END=0
 }
 
-[ $# -gt 0 ] || { sed -n '2,52p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,57p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
