@@ -366,7 +366,7 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
         known = set(e2e.default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *e2e.CORE_ROWS}
         unknown = [r for r in chosen if r not in known and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
         if unknown:
-            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, a backend name, peer:<backend>, "
+            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, auto_exact, a backend name, peer:<backend>, "
                              f"{e2e.CORE_INT8} or {e2e.CORE_SOL}")
     row_list = chosen or e2e.default_rows(peers=peers)
     job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
@@ -411,7 +411,7 @@ BENCH_E2E = Node(
         In("sampler_name", "COMBO", "euler", "Sampler.", options=SAMPLERS),
         In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
-        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, backend names, peer:<backend>, "
+        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, auto_exact, backend names, peer:<backend>, "
            "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention)."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),

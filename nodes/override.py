@@ -383,7 +383,8 @@ class AttentionOverride:
         ln.layer = layer + 1
         cfg = ln.config
         if self._is_dense(ln, layer, rest.get("transformer_options")):
-            why = "nonfinite" if layer in self.nonfinite_layers else "declined"
+            # a call that must stay exact never goes to the override applied under ours (its kernel may be lossy)
+            why = "nonfinite" if layer in self.nonfinite_layers else "precise" if precise else "declined"
             return self._dense_call(ln, func, args, kwargs, a, rest, precise, why)
         if precise and not self.exact:
             cfg.stats.count_fallback(cfg.backend, ln.dense.backend, "full precision requested by the model")
