@@ -219,12 +219,16 @@ class AutoSelector:
     # ---- selection
     def candidates(self, spec, options=None, sparse_ok=True) -> list[str]:
         """Backends that can take ``spec`` (with the per-backend ``options`` of the config; sparse kernels only when
-        ``sparse_ok``), SDPA first (the baseline is always measured)."""
+        ``sparse_ok``; for auto_exact exact kernels that compute in the call's own dtype), SDPA first (the baseline is
+        always measured)."""
         names = []
         for b in REGISTRY.backends():
             if b.name in self.exclude or (b.sparse and not sparse_ok) or (self.exact_only and b.quantized):
                 continue
-            if plan_for(b, spec)[1] is None and b.refuses(spec, (options or {}).get(b.name)) is None:
+            target, why = plan_for(b, spec)
+            if self.exact_only and target.dtype != spec.dtype:
+                continue  # auto_exact never lowers a call's precision (fp32 computed in a half dtype)
+            if why is None and b.refuses(spec, (options or {}).get(b.name)) is None:
                 names.append(b.name)
         return sorted(names, key=lambda n: n != REFERENCE)
 
@@ -264,9 +268,10 @@ class AutoSelector:
         sig = exact_signature(spec)
         if sig in self.decisions:
             return
+        allowed = set(self.candidates(spec))
         mine = []
         for c in report:
-            if c.name in REGISTRY and not REGISTRY.get(c.name).quantized and c.name not in self.exclude:
+            if c.name in allowed:
                 ok = c.ms is not None and c.cos is not None and c.cos >= self.min_cos and c.rel_l1 <= self.max_rel_l1
                 mine.append(Candidate(c.name, c.ms, c.cos, c.rel_l1, ok, c.error))
         if not any(c.name == REFERENCE for c in mine):

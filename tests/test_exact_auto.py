@@ -132,6 +132,22 @@ def test_auto_exact_times_only_exact_kernels_and_keeps_the_fastest(kernels):
     assert cfg.stats.calls == {"sdpa": 1} and f"{FAST}: failed gate" in next(iter(cfg.stats.decisions.values()))
 
 
+def test_auto_exact_never_lowers_a_calls_precision(pack_backend):
+    """A kernel that takes half dtypes only would compute an fp32 call in bf16 (the dispatcher casts): for auto_exact it
+    is no candidate there, however fast; on a bf16 call it is."""
+    half = A.constraints.DTypes((torch.bfloat16, torch.float16))
+    pack_backend(A.Backend(name="t_half", family="test", constraints=(half,), probe=lambda: A.Availability(True),
+                           fn=lambda q, k, v, *, layout, mask, scale, opts: _sdpa(q, k, v, mask, scale)))
+    for dtype, want in ((torch.float32, "sdpa"), (torch.bfloat16, "t_half")):
+        calls = []
+        sel = A.AutoSelector.exact(timer=_timer(calls, {"sdpa": 2.0, "t_half": 1.0}),
+                                   exclude=_others(keep=("sdpa", "t_half")))
+        cfg = A.AttentionConfig(backend="auto_exact", exact=sel)
+        A.attention(*(t.to(dtype) for t in _qkv()), 2, config=cfg)
+        assert cfg.stats.calls == {want: 1}, dtype
+        assert [n for n, _ in calls] == ([] if dtype == torch.float32 else ["sdpa", "t_half"])  # fp32: SDPA alone
+
+
 def test_auto_exact_decisions_are_keyed_apart_from_autos(kernels, tmp_path):
     """A decisions file holding auto's lossy choice for the same signature, and a lossy name under an exact key: neither
     reaches auto_exact. Its own decision is saved under its own key and reused by the next session without timing."""
