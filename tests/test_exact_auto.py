@@ -121,6 +121,7 @@ def test_auto_exact_times_only_exact_kernels_and_keeps_the_fastest(kernels):
     assert cfg.stats.calls == {FAST: 1} and kernels == [FAST] * 3  # the gate's check, the timing, the call
     [(sig, why)] = cfg.stats.decisions.items()
     assert sig.endswith("/exact") and why.startswith(f"{FAST} [") and LOSSY not in why
+    assert f"auto_exact {sig}: {FAST} [" in cfg.stats.summary()  # log_stats names the selector
     cos, rel = cos_rel(out, sdpa_ref(q, k, v, 2))
     assert cos >= A.registry.ACCURACY["exact"].min_cos and rel < 1e-6
     # a kernel declared exact that is not (rel-L1 ~0.03: inside auto's gate of 0.08) fails auto_exact's gate, the exact
