@@ -35,6 +35,8 @@ P = load()
 A = P.attention
 patch = P.nodes.patch
 
+DEVICE = "cuda"  # --cpu: a smoke run of this script's own logic on small shapes (no GPU kernels, no timings worth reading)
+
 SHAPES = {  # name: (batch, query tokens, key tokens, heads, head dim)
     "Wan 1.3B 480p self": (1, 32760, 32760, 12, 128),
     "Wan 1.3B 480p cross": (1, 32760, 512, 12, 128),
@@ -51,36 +53,45 @@ def comfy_function():
     if not path:
         return None
     sys.path.insert(0, path)
+    from comfy.cli_args import args
+
+    args.cpu = DEVICE != "cuda"
     import comfy.ldm.modules.attention as cattn
 
     return cattn.attention_pytorch
 
 
+def sync():
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
 def top_kernel(fn) -> str:
     """The device kernel with the most time in one call of ``fn`` (after a warm-up call)."""
     fn()
-    torch.cuda.synchronize()
+    sync()
     from torch.profiler import ProfilerActivity, profile
 
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    cuda = DEVICE == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
         fn()
-        torch.cuda.synchronize()
-    events = [e for e in prof.key_averages() if e.device_type.name == "CUDA"]
+        sync()
+    events = [e for e in prof.key_averages() if e.device_type.name == ("CUDA" if cuda else "CPU")]
     if not events:
         return "?"
-    best = max(events, key=lambda e: e.self_device_time_total)
+    best = max(events, key=lambda e: e.self_device_time_total if cuda else e.self_cpu_time_total)
     return best.key[:80]
 
 
 def ms(fn) -> float:
-    return A.auto.time_call(fn, torch.device("cuda"), warmup=2, reps=5, rounds=5)
+    return A.auto.time_call(fn, torch.device(DEVICE), warmup=2, reps=5, rounds=5)
 
 
 def one_shape(name, shape, func):
     b, n, nk, h, d = shape
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q = torch.randn(b, n, h * d, device="cuda", dtype=torch.bfloat16, generator=g)
-    k, v = (torch.randn(b, nk, h * d, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(2))
+    g = torch.Generator(device=DEVICE).manual_seed(0)
+    q = torch.randn(b, n, h * d, device=DEVICE, dtype=torch.bfloat16, generator=g)
+    k, v = (torch.randn(b, nk, h * d, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(2))
     sel = A.AutoSelector.exact(retune=True)
     cfg = A.AttentionConfig(backend="auto_exact", exact=sel, check_finite="deferred")
     ov = patch.AttentionOverride(cfg)
@@ -128,10 +139,10 @@ def one_shape(name, shape, func):
 
 
 def summary(r) -> str:
-    cands = ", ".join(f"{n} {c['ms']:.3f}" if c["ms"] is not None else f"{n} ({c['error'] or c['note'] or 'gate'})"
+    cands = ", ".join(f"{n} {c['ms']:.3f} ms" if c["ms"] is not None else f"{n} ({c['error'] or c['note'] or 'gate'})"
                       for n, c in sorted(r["report"].items(), key=lambda x: (x[1]["ms"] is None, x[1]["ms"] or 0)))
     comfy = f"; ComfyUI's function {r['ms_comfyui']:.3f} ms [{r['kernel_comfyui'][:40]}]" if "ms_comfyui" in r else ""
-    return (f"{'ok  ' if r['ok'] else 'FAIL'} {r['shape']}: auto_exact -> {r['choice']} ({cands} ms); through the "
+    return (f"{'ok  ' if r['ok'] else 'FAIL'} {r['shape']}: auto_exact -> {r['choice']} ({cands}); through the "
             f"override {r['ms_override']:.3f} ms, alone {r['ms_choice_alone']:.3f} ms; kernel run == timed: "
             f"{r['same_kernel']} [{r['kernel_run'][:40]}]; rel-L1 vs fp32 {r['rel_l1_fp32']:.4f}{comfy}")
 
@@ -159,16 +170,22 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="", help="comma-separated names from SHAPES (default: all)")
     ap.add_argument("--json")
     ap.add_argument("--md")
+    ap.add_argument("--cpu", action="store_true", help="a smoke run of the script on small CPU shapes")
     a = ap.parse_args(argv)
-    if not torch.cuda.is_available():
-        print("exact_auto: needs a CUDA GPU")
+    global DEVICE
+    if a.cpu:
+        DEVICE = "cpu"
+        SHAPES.clear()
+        SHAPES.update({"small self": (1, 256, 256, 2, 64), "small cross": (2, 256, 77, 2, 40)})
+    elif not torch.cuda.is_available():
+        print("exact_auto: needs a CUDA GPU (--cpu: a smoke run)")
         return 2
     func = comfy_function()
     try:
         from comfyui_version import __version__ as comfy_version
     except ImportError:
         comfy_version = "none (the override called directly)"
-    meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "comfyui": comfy_version,
+    meta = {"gpu": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "torch": torch.__version__, "comfyui": comfy_version,
             "exact candidates installed": [b.name for b in A.REGISTRY.backends() if b.available and not b.quantized]}
     print(json.dumps(meta))
     wanted = [s.strip() for s in a.shapes.split(",") if s.strip()] or list(SHAPES)
@@ -182,7 +199,8 @@ def main(argv=None) -> int:
         else:
             print(summary(r), flush=True)
         rows.append(r)
-        torch.cuda.empty_cache()
+        if DEVICE == "cuda":
+            torch.cuda.empty_cache()
         if a.json:
             with open(a.json, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1, default=str)
