@@ -4,7 +4,7 @@
     python bench_e2e.py --preset wan-1.3b --preset flux-dev --steps 4 --md e2e.md --json e2e.json --png e2e.png
     python bench_e2e.py --preset sdxl --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto --compile
 
-Rows: unpatched (ComfyUI's own attention), every usable backend, auto, and peer:<kernel> (the kernel called straight
+Rows: unpatched (ComfyUI's own attention), every usable backend, auto, auto_exact, and peer:<kernel> (the kernel called straight
 from ComfyUI's hook, as other packs do); a sparse backend with options or a tuned profile, e.g. kitchen_sol[tau=2.0].
 Finds ComfyUI through COMFYUI_PATH or as the ComfyUI this pack sits in.  On your own model, with real weights, use
 the "Attention Benchmark (end to end)" node instead.

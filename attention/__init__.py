@@ -8,6 +8,8 @@ from .auto import AutoSelector
 from .constraints import CallSpec
 from .dispatch import (
     AUTO,
+    AUTO_EXACT,
+    AUTOS,
     REFERENCE,
     AttentionConfig,
     BackendUnavailableError,
@@ -22,6 +24,8 @@ from .stats import Stats
 
 __all__ = [
     "AUTO",
+    "AUTOS",
+    "AUTO_EXACT",
     "REFERENCE",
     "REGISTRY",
     "AttentionConfig",

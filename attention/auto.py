@@ -1,4 +1,4 @@
-"""``auto``: measure, on the call's own tensors, which capable backend is fastest.
+"""``auto`` and ``auto_exact``: measure, on the call's own tensors, which capable backend is fastest.
 
 On the first call with a new signature (device, dtype, head dim, heads, mask
 kind, bucketed sequence lengths) every capable installed backend is timed on
@@ -6,6 +6,17 @@ that call's q/k/v and checked against an fp32 SDPA reference (cosine and
 relative L1 gates).  The fastest that passes wins; later calls with that
 signature go straight to it.  Decisions persist in a JSON file keyed by GPU,
 torch and kernel versions, so a second session does not tune again.
+
+``auto_exact`` (an :class:`AutoSelector` with ``exact_only``) measures only backends of the accuracy class "exact"
+(every SDPA kernel through its ATen op, FlashAttention 2/3/4, xformers) and gates them on that class's bound: no lossy
+kernel is ever timed or chosen, and its decisions are stored under keys of their own (``.../exact``), so a decision of
+``auto`` can never be read as one of ``auto_exact``.  It is also what a patched model runs where it leaves a call
+dense (see ``nodes.override``).  ``auto``'s tuning hands what it measured of the exact kernels to the config's exact
+selector, so those are not timed twice.
+
+What a decision names is what was timed: ``sdpa`` is PyTorch's SDPA with PyTorch's own kernel choice, called by the
+dispatcher (no priority context around it), and that is what runs when ``sdpa`` wins; each forced ``sdpa_*`` entry
+is one kernel's ATen op, timed and run as such.
 """
 
 from __future__ import annotations
@@ -24,7 +35,7 @@ import torch
 
 from .calls import REFERENCE, finite_flag, plan_for, run_backend
 from .reference import accuracy, reference_attention  # noqa: F401  (accuracy: re-exported)
-from .registry import REGISTRY
+from .registry import ACCURACY, REGISTRY
 
 log = logging.getLogger("patch_attention.auto")
 
@@ -59,6 +70,14 @@ def phase_signature(spec, sparse_ok: bool = True) -> str:
     """The key of auto's choice for a call: its signature, and whether sparse kernels may run in this forward (before
     the sparse step schedule starts they may not, so that phase has a choice of its own)."""
     return signature(spec) if sparse_ok else signature(spec) + "/dense-early"
+
+
+EXACT_SUFFIX = "/exact"  # auto_exact's keys (in memory and in the decisions file): never one of auto's
+
+
+def exact_signature(spec) -> str:
+    """The key of auto_exact's choice for a call (no phase: no exact kernel waits for the sparse schedule)."""
+    return signature(spec) + EXACT_SUFFIX
 
 
 RULE_VERSION = 2  # 2: a candidate must beat sdpa by AutoSelector.margin (decisions made by rule 1 are re-tuned)
@@ -135,11 +154,30 @@ class AutoSelector:
     # first call -- its accuracy check, where a JIT kernel (FlashAttention-4) compiles -- is neither timed nor counted.
     max_tune_s: float = 60.0
     exclude: set = field(default_factory=lambda: set(EXCLUDED))
+    exact_only: bool = False  # auto_exact: only backends of the accuracy class "exact" are candidates
     decisions: dict = field(default_factory=dict)  # signature -> backend name
     reports: dict = field(default_factory=dict)  # signature -> list[Candidate]
     demoted: dict = field(default_factory=dict)  # signature -> why SDPA replaces the decision until cleared (a run)
     tune_ms: float = 0.0
     _loaded: bool = False
+
+    @classmethod
+    def exact(cls, **kw) -> AutoSelector:
+        """auto_exact's selector: exact kernels only, gated on the exact class's bound (cos, rel-L1 vs fp32)."""
+        bound = ACCURACY["exact"]
+        return cls(exact_only=True, min_cos=bound.min_cos, max_rel_l1=bound.max_rel_l1, **kw)
+
+    def key(self, spec, sparse_ok: bool = True) -> str:
+        """The key of this selector's decision for a call of ``spec``."""
+        return exact_signature(spec) if self.exact_only else phase_signature(spec, sparse_ok)
+
+    def admits(self, sig: str, name: str) -> bool:
+        """A remembered decision this selector may use: its own kind of key, a backend installed here, and for
+        auto_exact an exact one (a decisions file is no authority on what is exact)."""
+        if sig.endswith(EXACT_SUFFIX) != self.exact_only or name not in REGISTRY:
+            return False
+        b = REGISTRY.get(name)
+        return b.available and not (self.exact_only and b.quantized)
 
     # ---- persistence
     def _load(self):
@@ -154,7 +192,7 @@ class AutoSelector:
             log.warning("ignoring unreadable auto cache %s: %s", self.cache_path, e)
             return
         for sig, name in saved.items():
-            if name in REGISTRY and REGISTRY.get(name).available:
+            if self.admits(sig, name):
                 self.decisions.setdefault(sig, name)
 
     def _save(self):
@@ -181,21 +219,28 @@ class AutoSelector:
     # ---- selection
     def candidates(self, spec, options=None, sparse_ok=True) -> list[str]:
         """Backends that can take ``spec`` (with the per-backend ``options`` of the config; sparse kernels only when
-        ``sparse_ok``), SDPA first (the baseline is always measured)."""
+        ``sparse_ok``; for auto_exact exact kernels that compute in the call's own dtype), SDPA first (the baseline is
+        always measured)."""
         names = []
         for b in REGISTRY.backends():
-            if b.name in self.exclude or (b.sparse and not sparse_ok):
+            if b.name in self.exclude or (b.sparse and not sparse_ok) or (self.exact_only and b.quantized):
                 continue
-            if plan_for(b, spec)[1] is None and b.refuses(spec, (options or {}).get(b.name)) is None:
+            target, why = plan_for(b, spec)
+            if self.exact_only and target.dtype != spec.dtype:
+                continue  # auto_exact never lowers a call's precision (fp32 computed in a half dtype)
+            if why is None and b.refuses(spec, (options or {}).get(b.name)) is None:
                 names.append(b.name)
         return sorted(names, key=lambda n: n != REFERENCE)
 
     def choose(self, cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
         if not self._loaded:
             self._load()
-        sig = phase_signature(spec, cfg.sparse_ok)
-        if sig in self.demoted:
-            return "sdpa"
+        sig = self.key(spec, cfg.sparse_ok)
+        if sig in self.demoted:  # a lossy choice that failed its re-check: the fastest exact kernel for the run
+            exact = getattr(cfg, "exact", None)
+            if exact is not None and exact is not self:
+                return exact.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)
+            return REFERENCE
         hit = self.decisions.get(sig)
         if hit is not None:
             return hit
@@ -206,16 +251,44 @@ class AutoSelector:
         self.decisions[sig] = name
         self.reports[sig] = report
         cfg.stats.decisions[sig] = describe(name, report, took)
-        log.info("auto %s -> %s (tuned in %.0f ms)", sig, name, took)
+        log.info("%s %s -> %s (tuned in %.0f ms)", "auto_exact" if self.exact_only else "auto", sig, name, took)
         self._save()
+        exact = getattr(cfg, "exact", None)
+        if exact is not None and exact is not self:
+            exact.learn(spec, report)
         return name
 
+    def learn(self, spec, report: list[Candidate]) -> None:
+        """auto_exact's decision for ``spec`` from what ``auto`` measured on the same call (its exact candidates,
+        timed the same way), unless this selector has one already: no kernel is timed twice for one call shape."""
+        if not self.exact_only:
+            return
+        if not self._loaded:
+            self._load()
+        sig = exact_signature(spec)
+        if sig in self.decisions:
+            return
+        allowed = set(self.candidates(spec))
+        mine = []
+        for c in report:
+            if c.name in allowed:
+                ok = c.ms is not None and c.cos is not None and c.cos >= self.min_cos and c.rel_l1 <= self.max_rel_l1
+                mine.append(Candidate(c.name, c.ms, c.cos, c.rel_l1, ok, c.error))
+        if not any(c.name == REFERENCE for c in mine):
+            return  # nothing to decide against
+        self.decisions[sig] = self.pick(mine)
+        self.reports[sig] = mine
+        self._save()
+
     def demote(self, sig: str, why: str) -> None:
-        """Use SDPA for ``sig`` until :attr:`demoted` is cleared (the node clears it at the start of each run)."""
+        """Use the fastest exact kernel (SDPA without an exact selector) for ``sig`` until :attr:`demoted` is cleared
+        (the node clears it at the start of each run)."""
         self.demoted[sig] = why
 
     def tune(self, cfg, q4, k4, v4, layout, mask4, spec, scale):
         names = self.candidates(spec, cfg.options, cfg.sparse_ok)
+        if self.exact_only and len(names) == 1:  # nothing to compare (SDPA alone, e.g. on the CPU): no timing
+            return names[0], [Candidate(names[0], passed=True, note="the only exact candidate")]
         t_start = time.perf_counter()
         first_calls_s = 0.0  # the untimed first calls (compiles), left out of the budget
         with torch.no_grad():
@@ -257,18 +330,21 @@ class AutoSelector:
                 except Exception as e:
                     c.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     c.passed = False
+        return self.pick(report), report
+
+    def pick(self, report: list[Candidate]) -> str:
+        """The fastest passing candidate, if it beats SDPA by :attr:`margin`; else SDPA."""
         passing = [c for c in report if c.passed and c.ms is not None]
         if not passing:
-            return "sdpa", report
+            return REFERENCE
         best = min(passing, key=lambda c: c.ms)
-        base = next((c for c in passing if c.name == "sdpa"), None)
+        base = next((c for c in passing if c.name == REFERENCE), None)
         if base is not None and best is not base and best.ms > base.ms * (1 - self.margin):
-            # Not faster by the margin: keep SDPA. It is what the model ran before (the node hands it to ComfyUI's own
-            # function, which costs less host time per call than any other candidate's path), and a kernel-level
-            # win this small does not survive end to end (SDXL on an H100: sdpa_efficient/flash picks were 6 % slower).
+            # Not faster by the margin: keep SDPA (PyTorch's own kernel choice, as timed). A kernel-level win this
+            # small does not survive end to end (SDXL on an H100: sdpa_efficient/flash picks were 6 % slower).
             best.note = f"within {self.margin:.0%} of sdpa: sdpa kept"
-            return "sdpa", report
-        return best.name, report
+            return REFERENCE
+        return best.name
 
 
 def describe(name: str, report: list[Candidate], took_ms: float) -> str:
@@ -278,6 +354,8 @@ def describe(name: str, report: list[Candidate], took_ms: float) -> str:
             parts.append(f"{c.name}: {c.error}" if c.error.startswith("not measured") else f"{c.name}: error {c.error}")
         elif not c.passed:
             parts.append(f"{c.name}: failed gate (cos {c.cos:.5f}, rel-L1 {c.rel_l1:.4f})")
+        elif c.ms is None:
+            parts.append(c.name + (f" ({c.note})" if c.note else ""))
         else:
             parts.append(f"{c.name} {c.ms:.3f} ms" + (f" ({c.note})" if c.note else ""))
     return f"{name} [" + "; ".join(parts) + f"] tuned in {took_ms:.0f} ms"
@@ -287,3 +365,10 @@ def select(cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
     if cfg.auto is None:
         cfg.auto = AutoSelector()
     return cfg.auto.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)
+
+
+def select_exact(cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
+    """auto_exact's choice for the call: the fastest exact kernel for its signature (tuned on the first such call)."""
+    if cfg.exact is None:
+        cfg.exact = AutoSelector.exact()
+    return cfg.exact.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)

@@ -6,9 +6,10 @@ returns exactly what ComfyUI's own attention returns: ``[B, N, H*D]``, or
 ``[B, H, N, D]`` with ``skip_output_reshape``.
 
 A call a backend cannot take (by its declared constraints) or that raises goes to
-the next backend in the chain, ending at SDPA: counted in :class:`Stats` and logged
+the next backend in the chain -- the config's fallbacks, then, where the config has an exact selector, the fastest
+exact kernel for the call's shape, then SDPA: counted in :class:`Stats` and logged
 once per (backend, reason).  The call itself (layouts, padding, casts) is
-:mod:`calls`; ``auto``'s choice is :mod:`auto`.
+:mod:`calls`; ``auto``'s and ``auto_exact``'s choices are :mod:`auto`.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .auto import select
+from .auto import select, select_exact
 from .calls import (  # noqa: F401  (re-exported: the pieces of one call)
     REFERENCE,
     clear_plan_cache,
@@ -43,6 +44,8 @@ from .stats import Stats, cuda_event
 log = logging.getLogger("patch_attention.dispatch")
 
 AUTO = "auto"
+AUTO_EXACT = "auto_exact"  # the fastest exact kernel per call shape (attention.auto, exact_only)
+AUTOS = (AUTO, AUTO_EXACT)
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("patch_attention_forced", default=None)
 
@@ -59,8 +62,9 @@ class BackendUnavailableError(RuntimeError):
 class AttentionConfig:
     """How calls are dispatched.
 
-    backend: a registry name or ``"auto"``.
-    fallbacks: names tried, in order, when ``backend`` cannot take a call; SDPA ends every chain.
+    backend: a registry name, ``"auto"`` or ``"auto_exact"``.
+    fallbacks: names tried, in order, when ``backend`` cannot take a call; then the fastest exact kernel for the call
+        (with an exact selector, ``exact``); SDPA ends every chain.
     allow_fallback: ``False`` raises :class:`BackendUnavailableError` instead of falling back.
     options: per-backend options, e.g. ``{"sparge": {"cdfthreshd": 0.97}}``.
     record_time: time each call per backend (CUDA events, read lazily).
@@ -80,6 +84,9 @@ class AttentionConfig:
     check_finite: bool | str = True
     stats: Stats = field(default_factory=Stats)
     auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
+    # an AutoSelector.exact(): auto_exact's choices; with one, a call that falls back goes to the fastest exact kernel
+    # for its shape before SDPA (created on the first "auto_exact" call; the node layer gives every patch one)
+    exact: object = None
     in_forward: bool = False  # set by the caller around a model forward whose deferred checks it reads
     sparse_ok: bool = True  # auto may choose sparse kernels (the caller clears it before its sparse schedule starts)
     # per config, never copied by dataclasses.replace (a config made from another starts with its own):
@@ -99,15 +106,29 @@ class AttentionConfig:
 
     def __post_init__(self):
         for name in (self.backend, *self.fallbacks):
-            if name != AUTO:
+            if name not in AUTOS:
                 REGISTRY.get(name)  # KeyError naming the known backends
 
     def chain(self, first: str) -> tuple[str, ...]:
         seen: list[str] = []
         for n in (first, *self.fallbacks, REFERENCE):
-            if n not in seen and n != AUTO:
+            if n not in seen and n not in AUTOS:
                 seen.append(n)
         return tuple(seen)
+
+    def tries(self, first: str, pick_exact):
+        """The backends a call tries in turn: :meth:`chain`, with the exact selector's choice for the call
+        (``pick_exact()``, asked only once ``first`` and the fallbacks could not take it) before SDPA."""
+        seen = set()
+        for n in self.chain(first):
+            if n == REFERENCE and n != first and self.exact is not None:
+                x = pick_exact()
+                if x not in seen:
+                    seen.add(x)
+                    yield x
+            if n not in seen:
+                seen.add(n)
+                yield n
 
 
 @contextlib.contextmanager
@@ -180,12 +201,14 @@ def attention(
     first = _forced.get() or cfg.backend
     if first == AUTO:
         first = select(cfg, q4, k4, v4, layout, mask4, spec, scale)
+    elif first == AUTO_EXACT:
+        first = select_exact(cfg, q4, k4, v4, layout, mask4, spec, scale)
 
     out = None
     prev, prev_reason = None, None
     raised = False
     stats = cfg.stats
-    for name in cfg.chain(first):
+    for name in cfg.tries(first, lambda: select_exact(cfg, q4, k4, v4, layout, mask4, spec, scale)):
         backend = REGISTRY.get(name)
         target, reason = plan_for(backend, spec)
         if reason is None:

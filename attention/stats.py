@@ -114,8 +114,10 @@ class Stats:
                 lines.append(f"  {f['from']} -> {f['to']}: {f['reason']} ({f['count']}x)")
         for key, m in d["metrics"].items():
             lines.append(f"  {key}: mean {m['mean']:.4f} over {m['n']} calls")
+        from .auto import EXACT_SUFFIX
+
         for sig, why in d["auto"].items():
-            lines.append(f"  auto {sig}: {why}")
+            lines.append(f"  {'auto_exact' if sig.endswith(EXACT_SUFFIX) else 'auto'} {sig}: {why}")
         return "\n".join(lines)
 
 

@@ -7,7 +7,9 @@ Attention and ComfyUI's own attention nodes"):
 - **Patch Attention applied over another override** keeps it: that override serves the calls Patch Attention leaves
   dense by choice (outside its step schedule, ``dense_layers``, shapes its kernel does not take) -- core's stacking
   protocol, as Model Sparse Attention does.  Calls that must stay exact (a full-precision request, a layer whose kernel
-  gave NaN) go to ComfyUI's own exact attention instead.  Over an earlier Patch Attention, the new one replaces it.
+  gave NaN) go to the fastest exact kernel for their shape instead (never to that override: its kernel may be lossy).
+  Without a previous override, the calls left dense by choice go there too.  Over an earlier Patch Attention, the new
+  one replaces it.
 - **An override applied over Patch Attention** that hands its declined calls to the previous one (core's protocol:
   ``previous(func, q, k, v, heads, ...)``) reaches Patch Attention's dispatcher, which counts those calls.
 - **An override applied over Patch Attention that does not** replaces it.  Patch Attention checks the hook when each

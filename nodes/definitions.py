@@ -57,7 +57,7 @@ class Node:
 
 
 def backend_choices() -> list[str]:
-    return ["auto", "disabled", *REGISTRY.names()]
+    return ["auto", "disabled", "auto_exact", *REGISTRY.names()]
 
 
 def accuracy_text() -> str:
@@ -76,9 +76,12 @@ def accuracy_text() -> str:
 
 
 BACKEND_TOOLTIP = (
-    "auto: measures the kernels this GPU can run on your model's attention calls and keeps the fastest that stays "
-    "close to exact attention (auto_min_cos, auto_max_rel_l1); remembered per GPU. sdpa: ComfyUI's own attention. "
-    "disabled: removes an earlier patch. Any other entry forces one kernel; calls it cannot take run on SDPA, counted. "
+    "auto: measures the kernels this GPU can run on your model's attention calls, 8-bit and sparse ones included, and "
+    "keeps the fastest that stays close to exact attention (auto_min_cos, auto_max_rel_l1); remembered per GPU.\n"
+    "auto_exact: the same among exact kernels only (SDPA's kernels, FlashAttention 2/3/4, xformers): the fastest "
+    "kernel with no 8-bit or sparse error.\n"
+    "sdpa: ComfyUI's own attention. disabled: removes an earlier patch. Any other entry forces one kernel; calls it "
+    "cannot take, and the calls left dense (schedule, dense_layers), run on the fastest exact kernel, counted. "
     "By accuracy: " + accuracy_text() + ". Attention Backends Info shows what is installed here."
 )
 
@@ -110,31 +113,32 @@ PATCH = Node(
     inputs=[
         In("model", "MODEL"),
         In("backend", "COMBO", "auto", BACKEND_TOOLTIP, options=backend_choices()),
-        In("fallback", "BOOLEAN", True, "On: a call the backend cannot take runs on the next capable backend (ending at SDPA), "
+        In("fallback", "BOOLEAN", True, "On: a call the backend cannot take runs on the fastest exact kernel for its shape, "
            "counted and logged once. Off: such a call stops the run with the reason."),
-        In("start_percent", "FLOAT", 0.0, "Use the chosen backend from this fraction of the sampling schedule on; dense SDPA before.",
+        In("start_percent", "FLOAT", 0.0, "Use the chosen backend from this fraction of the sampling schedule on; the fastest exact kernel before.",
            min=0.0, max=1.0, step=0.01),
-        In("end_percent", "FLOAT", 1.0, "Use the chosen backend until this fraction of the schedule; dense SDPA after.",
+        In("end_percent", "FLOAT", 1.0, "Use the chosen backend until this fraction of the schedule; the fastest exact kernel after.",
            min=0.0, max=1.0, step=0.01),
-        In("dense_layers", "STRING", "", "Attention layers kept on dense SDPA, by index within one model forward: "
+        In("dense_layers", "STRING", "", "Attention layers kept dense (the fastest exact kernel), by index within one model forward: "
            "'0-3, 10, 50-'. Flux: 0-18 double blocks, 19-56 single blocks.", ),
         In("log_stats", "BOOLEAN", False, "After each sampling run, log calls, fallbacks and GPU time per backend."),
         In("sparge_settings", SPARGE_TYPE, None, "Settings (and a per-layer profile) from a SpargeAttn Settings or "
            "Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
            optional=True, label="sparse_settings"),
-        In("auto_retune", "BOOLEAN", False, "auto: measure again instead of using remembered decisions.", optional=True),
+        In("auto_retune", "BOOLEAN", False, "auto, auto_exact: measure again instead of using remembered decisions.",
+           optional=True),
         In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: a backend must reach this cosine similarity to SDPA on the real call.",
            optional=True, min=0.9, max=1.0, step=0.0005),
         In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: and stay within this relative L1 error.",
            optional=True, min=0.0, max=1.0, step=0.005),
-        In("check_finite", "BOOLEAN", True, "Check quantized kernels' output for NaN/inf and redo such a call on SDPA "
+        In("check_finite", "BOOLEAN", True, "Check quantized kernels' output for NaN/inf and redo such a call on an exact kernel "
            "(SageAttention returns NaN when all keys are equal, e.g. a zeroed negative prompt). Each call is checked on a "
            "run's first step, then each step's output (per call throughout for models that hide NaN, e.g. Flux); one GPU "
            "sync per step.",
            optional=True),
         In("sparse_start_percent", "FLOAT", SPARSE_START, "Sparse kernels (SpargeAttn, Sol-Attn) only from this fraction "
            "of the schedule on (the early steps set the layout; ComfyUI's Model Sparse Attention waits 20 % too). "
-           "Before it, a sparse backend runs dense and auto chooses among the other kernels.",
+           "Before it, a sparse backend runs on the fastest exact kernel and auto chooses among the other kernels.",
            optional=True, min=0.0, max=1.0, step=0.01),
     ],
     outputs=[("MODEL", "model")],
@@ -363,7 +367,7 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
         unknown = [r for r in chosen if e2e.parse_row(r)[0] not in known
                    and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
         if unknown:
-            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, a backend name, peer:<backend>, "
+            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, auto_exact, a backend name, peer:<backend>, "
                              f"{e2e.CORE_INT8} or {e2e.CORE_SOL}")
     row_list = chosen or e2e.default_rows(peers=peers)
     job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
@@ -410,7 +414,7 @@ BENCH_E2E = Node(
         In("sampler_name", "COMBO", "euler", "Sampler.", options=SAMPLERS),
         In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
-        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, backend names, peer:<backend>, "
+        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, auto_exact, backend names, peer:<backend>, "
            "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention), "
            "a sparse backend with options or a tuned profile: kitchen_sol[tau=2.0], sparge[profile=my_model.json]."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),

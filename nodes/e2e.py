@@ -1,7 +1,7 @@
 """End-to-end benchmark: real ComfyUI sampling, unpatched against every backend, ``auto`` and peer patches.
 
 One row per way of running attention, all in one process on one model: the unpatched model (ComfyUI's own
-attention); Patch Attention with each backend; ``auto``; and ``peer:<kernel>``, an override that calls the kernel
+attention); Patch Attention with each backend; ``auto``; ``auto_exact``; and ``peer:<kernel>``, an override that calls the kernel
 straight from ComfyUI's hook with nothing else (what other node packs do), the yardstick for our dispatch cost.
 Columns: seconds per step (a warm-up run first: compile, tuning and kernel loading stay out), ratio to unpatched,
 cosine and relative L1 of the final latent against the unpatched one, PSNR and SSIM of the final latent against the
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..attention import REGISTRY
-from ..attention.auto import accuracy
+from ..attention import AUTO_EXACT, REGISTRY
+from ..attention.auto import EXACT_SUFFIX, accuracy
 from ..attention.quality import AT_FLOOR, compare, psnr, verdict
 from .patch import SPARSE_START, override_of, patch_model
 
@@ -205,7 +205,7 @@ def row_settings(backend: str, opts: dict):
 
 
 def make_row_model(model, row: str):
-    """A clone of ``model`` for ``row``: unpatched, a backend or auto (Patch Attention, with the node's defaults),
+    """A clone of ``model`` for ``row``: unpatched, a backend, auto or auto_exact (Patch Attention, with the node's defaults),
     ``<backend>[options]`` (a sparse backend with its options or a tuned profile), ``<backend>/no-nan-net``,
     peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
     base, opts = parse_row(row)
@@ -241,10 +241,10 @@ def core_rows_here() -> list[str]:
 
 
 def default_rows(peers=True) -> list[str]:
-    """Every backend usable here (but the slow math reference), auto, a peer row per non-SDPA kernel, and the rows of
-    ComfyUI's own attention nodes."""
+    """Every backend usable here (but the slow math reference), auto, auto_exact, a peer row per non-SDPA kernel, and
+    the rows of ComfyUI's own attention nodes."""
     usable = [b.name for b in REGISTRY.backends() if b.available and b.name != "sdpa_math"]
-    rows = [UNPATCHED, *usable, "auto", *core_rows_here()]
+    rows = [UNPATCHED, *usable, "auto", AUTO_EXACT, *core_rows_here()]
     if peers:
         rows += [PEER + n for n in usable if REGISTRY.get(n).family != "sdpa"]
     return rows
@@ -476,8 +476,10 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         r["kernels"] = kernels_that_ran(m) or r.get("note") or ("ComfyUI attention" if row == UNPATCHED else row[len(PEER):])
         ov = override_of(m)
         decisions = ov.stats.decisions if ov is not None else {}
-        if decisions:
-            r["auto"] = "; ".join(sorted(set(str(v).split(" [")[0] for v in decisions.values())))
+        for name, exact in (("auto", False), (AUTO_EXACT, True)):  # what each selector chose (an exact one: dense calls)
+            chosen = {str(v).split(" [")[0] for sig, v in decisions.items() if sig.endswith(EXACT_SUFFIX) == exact}
+            if chosen:
+                r[name] = "; ".join(sorted(chosen))
         if progress is not None:
             progress(r)
     models.clear()
@@ -536,17 +538,19 @@ def add_floor(out_rows) -> None:
 
 def add_paired(out_rows, rows, times) -> None:
     """Per-round paired ratios with 95 % intervals (``paired``): every row against unpatched; a Patch Attention kernel
-    row against its peer; ``auto`` against the fastest of unpatched and the explicit kernel rows (``best_row``)."""
-    explicit = [r for r in times if r != UNPATCHED and r != "auto" and not r.startswith(PEER) and not r.endswith(NO_NAN_NET)
-                and r not in CORE_ROWS]
+    row against its peer; ``auto`` against the fastest of unpatched and the explicit kernel rows, ``auto_exact`` against
+    the fastest of unpatched and the explicit exact kernel rows (``best_row``)."""
+    explicit = [r for r in times if r not in (UNPATCHED, "auto", AUTO_EXACT) and not r.startswith(PEER)
+                and not r.endswith(NO_NAN_NET) and r not in CORE_ROWS]
+    exact = [r for r in explicit if r in REGISTRY and not REGISTRY.get(r).quantized]
     for x, row in zip(out_rows, rows):
         if row not in times or UNPATCHED not in times:
             continue
         p = {"vs_unpatched": paired_ratio(times[UNPATCHED], times[row])}
         if PEER + row in times:
             p["vs_peer"] = paired_ratio(times[PEER + row], times[row])
-        if row == "auto":  # the row with the best median (a per-round minimum of several rows would favour them)
-            best = min([UNPATCHED, *explicit], key=lambda r: statistics.median(times[r]))
+        if row in ("auto", AUTO_EXACT):  # the row with the best median (a per-round minimum would favour many rows)
+            best = min([UNPATCHED, *(explicit if row == "auto" else exact)], key=lambda r: statistics.median(times[r]))
             p["vs_best"] = paired_ratio(times[best], times[row])
             x["best_row"] = best
         x["paired"] = {k: [round(v, 4) for v in val] for k, val in p.items()}
@@ -555,8 +559,9 @@ def add_paired(out_rows, rows, times) -> None:
 def targets(rows: list[dict], tolerance: float = 0.02) -> list[dict]:
     """The pack's promises against ComfyUI's own attention nodes, read from one run's rows (s/step and the final
     latent's rel-L1 against unpatched): ``auto`` at least as fast as every core row whose error it does not exceed;
-    ``auto`` within ``tolerance`` of the fastest row at (or under) its error; ``kitchen_sol`` within ``tolerance`` of
-    core:sol-attn (the same kernel, the same defaults)."""
+    ``auto`` within ``tolerance`` of the fastest row at (or under) its error; ``auto_exact`` within ``tolerance`` of
+    the fastest explicit exact kernel row and of unpatched; ``kitchen_sol`` within ``tolerance`` of core:sol-attn (the
+    same kernel, the same defaults)."""
     ok = {r["row"].replace(" +compile", ""): r for r in rows if "s_per_step" in r}
     out = []
     auto = ok.get("auto")
@@ -577,6 +582,16 @@ def targets(rows: list[dict], tolerance: float = 0.02) -> list[dict]:
             out.append({"target": f"auto within {tolerance:.0%} of the best row at its error ({best['row']})",
                         "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
                         "detail": f"{len(peers)} rows with rel-L1 <= {auto['rel_l1']:.4f}"})
+    ax = ok.get(AUTO_EXACT)
+    if ax is not None:
+        exact = [r for name, r in ok.items() if name in REGISTRY and not REGISTRY.get(name).quantized]
+        for label, ref in (("the best exact row", min(exact, key=lambda r: r["s_per_step"]) if exact else None),
+                           ("unpatched", ok.get(UNPATCHED))):
+            if ref is not None:
+                ratio = ref["s_per_step"] / ax["s_per_step"]
+                out.append({"target": f"auto_exact within {tolerance:.0%} of {label} ({ref['row']})",
+                            "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
+                            "detail": f"auto_exact rel-L1 {ax['rel_l1']:.4f} vs {ref['rel_l1']:.4f}"})
     sol, core = ok.get("kitchen_sol"), ok.get(CORE_SOL)
     if sol is not None and core is not None:
         ratio = core["s_per_step"] / sol["s_per_step"]
@@ -609,7 +624,7 @@ def render_markdown(rows: list[dict], header: str = "") -> str:
             lines.append(f"| {r['preset']} | {r['row']} | error: {r['error']} | | |" + (" | |" if paired else "") + " |"
                          + (" | |" if quality else "") + " | |")
             continue
-        kern = r.get("kernels", "") + (f" (auto: {r['auto']})" if r.get("auto") else "")
+        kern = r.get("kernels", "") + "".join(f" ({n}: {r[n]})" for n in ("auto", AUTO_EXACT) if r.get(n))
         cols = ""
         if paired:
             p = r.get("paired", {})

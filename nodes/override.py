@@ -1,8 +1,11 @@
 """The attention override a patched model carries: what ComfyUI calls for every attention call of the model.
 
 It knows nothing of kernels: it reads the sampling state (the step schedule, which attention layer of the forward
-this is) and hands the call to ``attention.dispatch``, or back to ComfyUI's own function where Patch Attention runs
-dense attention.  Where each concern lives:
+this is) and hands the call to ``attention.dispatch``.  Where Patch Attention runs a call dense by its own choice
+(outside ``start/end_percent`` or before ``sparse_start_percent``, ``dense_layers``, a shape the chosen kernel refuses, a
+full-precision request, a layer the NaN net found) the call goes to the fastest exact kernel measured for its shape
+(``auto_exact``'s selector, per lane) -- unless the override Patch Attention was applied over serves it (see
+:mod:`.compose`).  Only an explicit ``sdpa`` hands its calls to ComfyUI's own function.  Where each concern lives:
 
 - the hook's calling convention and ComfyUI's functions: :mod:`.hook`;
 - the per-shape hot path: :mod:`.lean`;
@@ -28,7 +31,7 @@ import threading
 
 import torch
 
-from ..attention import REGISTRY, AttentionConfig, attention, op
+from ..attention import AUTO_EXACT, AUTOS, REGISTRY, AttentionConfig, AutoSelector, attention, op
 from ..attention.dispatch import error_vs_reference
 from ..attention.stats import Stats
 from . import lean, nan_net, recheck
@@ -57,7 +60,10 @@ class Lane:
 
     def __init__(self, config: AttentionConfig, device, thread: int):
         self.config = config
-        self.dense = AttentionConfig(backend="sdpa", stats=config.stats, check_finite=False)
+        # the calls Patch Attention leaves dense: the fastest exact kernel for their shape (this lane's exact selector,
+        # shared with the config's fallbacks); SDPA where there is none (an explicit `sdpa`)
+        self.dense = AttentionConfig(backend=AUTO_EXACT if config.exact is not None else "sdpa", exact=config.exact,
+                                     stats=config.stats, check_finite=False)
         self.calls = config.stats.calls  # the Counter itself (reset clears it in place): one lookup on the hot path
         self.device = device
         self.thread = thread
@@ -110,7 +116,8 @@ class AttentionOverride:
         # Sparse kernels (SpargeAttn, Sol-Attn) wait for the sparse schedule: from the step whose sigma is at most this
         # (None: from the first step). An explicit sparse backend runs dense before it; auto chooses among the others.
         self.sparse_sigma = sparse_sigma
-        self.sparse_backend = config.backend != "auto" and REGISTRY.get(config.backend).sparse
+        chosen = None if config.backend in AUTOS else REGISTRY.get(config.backend)  # an explicit backend
+        self.sparse_backend = chosen is not None and chosen.sparse
         # a sparse kernel can run in this run: the forwards read their sigma for the sparse schedule (one sync each)
         self.sparse_seen = self.sparse_backend
         self.nan_net = bool(config.check_finite)
@@ -118,11 +125,15 @@ class AttentionOverride:
         self.hides_nan = None  # the model's code sanitizes NaN (decided at its first forward)
         self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
         self.check_sigmas = {}  # sigma of the middle and last step of the current run -> "mid"/"last"
-        self.audit = audit and config.backend != "auto" and REGISTRY.get(config.backend).quantized
+        self.audit = audit and chosen is not None and chosen.quantized
         self.passthrough = config.backend == "sdpa" and not config.record_time  # `sdpa` is the host's SDPA call
-        self.exact = config.backend != "auto" and not REGISTRY.get(config.backend).quantized
+        # every call may run on the chosen kernel(s), full-precision requests too
+        self.exact = config.backend == AUTO_EXACT or (chosen is not None and not chosen.quantized)
+        # dense calls on the fastest exact kernel per shape (an explicit `sdpa` stays ComfyUI's own function)
+        if config.exact is None and config.backend != "sdpa":
+            config.exact = AutoSelector.exact()
         # compiled models subtract K's mean in their graph for a backend that declares it (see attention.op)
-        self.smooth_k = config.backend != "auto" and REGISTRY.get(config.backend).smooth_k
+        self.smooth_k = chosen is not None and chosen.smooth_k
         self.handle = op.register(self)
         self.lean_ok = (not self.passthrough and layer_options is None and not self.dense_layers and not log_stats
                         and not config.record_time)
@@ -170,10 +181,12 @@ class AttentionOverride:
     def _lane_config(self) -> AttentionConfig:
         """A config like the first lane's, with statistics, plans, NaN flags and ``auto``'s choices of its own."""
         base = self.config
-        auto = base.auto
-        if auto is not None:
-            auto = dataclasses.replace(auto, decisions={}, reports={}, demoted={}, tune_ms=0.0, _loaded=False)
-        return dataclasses.replace(base, stats=Stats(), auto=auto, in_forward=False, check_finite=self._check_finite)
+
+        def own(sel):
+            return sel and dataclasses.replace(sel, decisions={}, reports={}, demoted={}, tune_ms=0.0, _loaded=False)
+
+        return dataclasses.replace(base, stats=Stats(), auto=own(base.auto), exact=own(base.exact), in_forward=False,
+                                   check_finite=self._check_finite)
 
     def lanes(self) -> list[Lane]:
         with self._lock:
@@ -211,7 +224,7 @@ class AttentionOverride:
         with self._lock:
             self.nonfinite_layers = self.nonfinite_layers | {layer for layer, _ in bad}
         for layer, name in bad:
-            ln.config.stats.count_fallback(name, "sdpa", "non-finite output (forward redone)")
+            ln.config.stats.count_fallback(name, ln.dense.backend, "non-finite output (forward redone)")
             nan_net.warn_nonfinite(name, layer)
 
     def sparse_phase(self, ln: Lane, sigma) -> None:
@@ -311,8 +324,9 @@ class AttentionOverride:
                     explain_failure(args, kwargs)  # a clear ValueError if the call itself is invalid
                     raise
         key = None
-        if self.lean_ok and ln.active is True and not self.nonfinite_layers:
-            key = lean.key(args, kwargs, ln.config.sparse_ok)
+        if self.lean_ok and ln.active is not None and not self.nonfinite_layers:
+            # per forward: the kernel's calls (by sparse phase), or a forward Patch Attention runs dense (None)
+            key = lean.key(args, kwargs, ln.config.sparse_ok if ln.active else None)
             if key is not None:
                 ran, val = lean.attempt(self, ln, key, func, args, kwargs)
                 if ran:
@@ -321,7 +335,7 @@ class AttentionOverride:
         a, rest = bind(args, kwargs)
         out = self._run(ln, func, args, kwargs, a, rest, wants_full_precision(a, rest))
         if key is not None:
-            ln.lean[key] = lean.make(self, ln, func, a) or False
+            ln.lean[key] = lean.make(self, ln, func, a, dense=not ln.active) or False
         return out
 
     def container_function(self, *args, **kwargs):
@@ -335,10 +349,11 @@ class AttentionOverride:
         ``[B, N, H*Dv]`` (the op's caller reshapes in the graph).  ``k_smoothed``: the graph subtracted K's mean."""
         ln = self.lane(q.device)
         key = None
-        if self.lean_ok and mask is None and not precise and scale is None and not enable_gqa and ln.active is True \
+        if self.lean_ok and mask is None and not precise and scale is None and not enable_gqa and ln.active is not None \
                 and not self.nonfinite_layers:
             ran, val = lean.attempt(self, ln, (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape,
-                                               k_smoothed, ln.config.sparse_ok), None, (q, k, v), None)
+                                               k_smoothed, ln.config.sparse_ok if ln.active else None), None, (q, k, v),
+                                    None)
             if ran:
                 return val
             key = val
@@ -347,16 +362,17 @@ class AttentionOverride:
         rest = {"scale": scale, "enable_gqa": enable_gqa} if (scale is not None or enable_gqa) else {}
         out = self._run(ln, None, None, None, a, rest, precise, k_smoothed)
         if key is not None:
-            ln.lean[key] = lean.make(self, ln, None, a, k_smoothed) or False
+            ln.lean[key] = lean.make(self, ln, None, a, k_smoothed, dense=not ln.active) or False
         return out
 
     def _dense_call(self, ln, func, args, kwargs, a, rest, precise, why):
         """A call Patch Attention leaves dense: the override it was applied over (for what it declines by choice --
-        schedule, dense_layers), else ComfyUI's own exact function, else SDPA through the dispatcher."""
+        schedule, dense_layers), else the fastest exact kernel for its shape (``ln.dense``: auto_exact's selector);
+        an explicit ``sdpa`` hands it to ComfyUI's own exact function."""
         if self.previous is not None and why == "declined" and func is not None:
             ln.calls[PREVIOUS] += 1
             return self.previous(func, *args, **kwargs)
-        if func is not None and is_host_exact(func) and same_heads(a["q"], a["k"]):
+        if ln.dense.backend != AUTO_EXACT and func is not None and is_host_exact(func) and same_heads(a["q"], a["k"]):
             ln.host = func
             ln.calls[HOST] += 1
             return call_function(func, args, kwargs)
@@ -367,14 +383,15 @@ class AttentionOverride:
         ln.layer = layer + 1
         cfg = ln.config
         if self._is_dense(ln, layer, rest.get("transformer_options")):
-            why = "nonfinite" if layer in self.nonfinite_layers else "declined"
+            # a call that must stay exact never goes to the override applied under ours (its kernel may be lossy)
+            why = "nonfinite" if layer in self.nonfinite_layers else "precise" if precise else "declined"
             return self._dense_call(ln, func, args, kwargs, a, rest, precise, why)
         if precise and not self.exact:
-            cfg.stats.count_fallback(cfg.backend, "sdpa", "full precision requested by the model")
+            cfg.stats.count_fallback(cfg.backend, ln.dense.backend, "full precision requested by the model")
             return self._dense_call(ln, func, args, kwargs, a, rest, precise, "precise")
         if self.passthrough:
             return self._dense_call(ln, func, args, kwargs, a, rest, precise, "sdpa")
-        if self.previous is not None and func is not None and cfg.backend != "auto" and cfg.allow_fallback:
+        if self.previous is not None and func is not None and cfg.backend not in AUTOS and cfg.allow_fallback:
             why = self._refused(ln, cfg, a, rest)
             if why is not None:  # a shape the kernel does not take: the override applied under ours serves it
                 cfg.stats.count_fallback(cfg.backend, PREVIOUS, why)

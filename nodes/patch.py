@@ -13,7 +13,7 @@ import logging
 import os
 import re
 
-from ..attention import REGISTRY, AttentionConfig, AutoSelector
+from ..attention import AUTO_EXACT, REGISTRY, AttentionConfig, AutoSelector
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
 from .compose import SampleWrapper, install, previous_override
 from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
@@ -72,7 +72,9 @@ def patch_model(
     check_finite: bool = True,
     sparse_start_percent: float = 0.0,
 ):
-    """Return a clone of ``model`` (a ComfyUI ModelPatcher) whose attention goes to ``backend``.
+    """Return a clone of ``model`` (a ComfyUI ModelPatcher) whose attention goes to ``backend``: a registry name,
+    ``auto`` or ``auto_exact`` (the fastest exact kernel per call shape; also what every backend but ``sdpa`` runs the
+    calls it leaves dense on).
 
     ``backend="disabled"`` returns a clone with an earlier Patch Attention removed (and the override it was applied
     over, if any, back on the hook).  Over another override (Model Attention Backend, another pack's), that one serves
@@ -90,9 +92,11 @@ def patch_model(
     if sparge is not None:
         options[sparge.variant] = sparge.options
         layer_options = sparge.layer_options
-    auto = None
+    auto = exact = None
     if backend == "auto":
         auto = AutoSelector(cache_path=auto_cache_path(), retune=auto_retune, min_cos=auto_min_cos, max_rel_l1=auto_max_rel_l1)
+    if backend != "sdpa":  # `sdpa` leaves every call to ComfyUI's own function
+        exact = AutoSelector.exact(cache_path=auto_cache_path(), retune=auto_retune)
     cfg = AttentionConfig(
         backend=backend,
         allow_fallback=fallback,
@@ -100,6 +104,7 @@ def patch_model(
         record_time=log_stats if record_time is None else record_time,
         check_finite="deferred" if check_finite else False,
         auto=auto,
+        exact=exact,
     )
     sigma_range = None
     if start_percent > 0.0 or end_percent < 1.0:
@@ -108,7 +113,7 @@ def patch_model(
     sparse_sigma = None
     if not 0.0 <= sparse_start_percent <= 1.0:
         raise ValueError(f"need 0 <= sparse_start_percent <= 1, got {sparse_start_percent}")
-    if sparse_start_percent > 0.0 and (backend == "auto" or REGISTRY.get(backend).sparse):
+    if sparse_start_percent > 0.0 and backend != AUTO_EXACT and (backend == "auto" or REGISTRY.get(backend).sparse):
         sparse_sigma = float(m.get_model_object("model_sampling").percent_to_sigma(sparse_start_percent))
     ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats,
                            report_error_every=getattr(sparge, "report_error_every", 0), previous=previous_override(m),

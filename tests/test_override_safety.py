@@ -73,8 +73,9 @@ def test_full_precision_request_never_runs_on_a_lossy_kernel(backends, request_k
     q, k, v = _qkv()
     ov = patch.AttentionOverride(A.AttentionConfig(backend="t_lossy"), audit=False)
     out = ov(func, q, k, v, 2, transformer_options={}, **request_kw)
-    assert len(calls) == 1 and cos_rel(out, sdpa_ref(q, k, v, 2))[1] < 1e-6
-    assert ov.config.stats.fallbacks[("t_lossy", "sdpa", "full precision requested by the model")] == 1
+    # the fastest exact kernel for the shape (auto_exact's selector; on the CPU SDPA is the only exact candidate)
+    assert not calls and cos_rel(out, sdpa_ref(q, k, v, 2))[1] < 1e-6 and ov.config.stats.calls == {"sdpa": 1}
+    assert ov.config.stats.fallbacks[("t_lossy", "auto_exact", "full precision requested by the model")] == 1
     # an exact backend keeps such calls
     exact = patch.AttentionOverride(A.AttentionConfig(backend="sdpa_math"))
     exact(func, q, k, v, 2, transformer_options={}, **request_kw)
@@ -226,11 +227,12 @@ def test_nan_on_the_lean_path_is_caught_and_the_layer_goes_dense(backends):
     assert all(torch.isfinite(o).all() for x in outs for o in x)
     for (q, k, v, h, _), o in zip(calls, outs[-1]):
         assert cos_rel(o, sdpa_ref(q, k, v, h))[1] < 1e-5
-    assert len(ov.lane().lean) == 2 and ov.nonfinite_layers == {0, 1} and host_calls  # lean, NaN, redone, then dense
-    assert ov.config.stats.fallbacks[("t_flaky", "sdpa", "non-finite output (forward redone)")] == 2
+    # lean, NaN, redone, then dense: on the fastest exact kernel (SDPA on the CPU), not ComfyUI's function
+    assert len(ov.lane().lean) == 2 and ov.nonfinite_layers == {0, 1} and not host_calls and ov.config.stats.calls["sdpa"]
+    assert ov.config.stats.fallbacks[("t_flaky", "auto_exact", "non-finite output (forward redone)")] == 2
 
 
-def test_a_shape_the_kernel_refuses_goes_to_comfyuis_function_on_the_lean_path(backends):
+def test_a_shape_the_kernel_refuses_goes_to_the_fastest_exact_kernel_on_the_lean_path_too(backends):
     A.REGISTRY.register(A.Backend(name="t_d64", family="test", constraints=(A.constraints.MinSeqLen(kv=100),),
                                   fn=lambda *a, **kw: pytest.fail("refused shape reached the kernel"),
                                   probe=lambda: A.Availability(True), accuracy="8bit"))
@@ -239,8 +241,9 @@ def test_a_shape_the_kernel_refuses_goes_to_comfyuis_function_on_the_lean_path(b
         ov = patch.AttentionOverride(A.AttentionConfig(backend="t_d64", check_finite="deferred"), audit=False)
         _forwards(ov, func, [(*_qkv(32, 2, 16), 2, {})], 3)
         st = ov.config.stats
-        assert st.calls == {"sdpa": 1, "comfyui": 2} and len(host_calls) == 2
-        assert sum(n for (f, _, _), n in st.fallbacks.items() if f == "t_d64") == 3
+        assert st.calls == {"sdpa": 3} and not host_calls  # SDPA: the only exact kernel on the CPU
+        assert st.fallbacks == {("t_d64", "sdpa", "key length 32 < 100"): 3}
+        assert len(ov.lane().lean) == 1 and callable(next(iter(ov.lane().lean.values())))
     finally:
         A.REGISTRY.unregister("t_d64")
         A.dispatch.clear_plan_cache()
@@ -289,8 +292,8 @@ def test_nan_net_checks_calls_on_the_first_forward_then_the_output(backends, mon
             assert len(flags) == 2  # forward 1: one flag per call; forward 2: none
     assert all(torch.isfinite(o).all() for o in outs)
     # forward 3: the output was NaN -> redone with per-call flags (layer 0 NaN again) -> layer 0 dense, redone again
-    assert len(flags) == 5 and ov.nonfinite_layers == {0} and host_calls  # 2 + 2 (finding) + 1 (the redo)
-    assert cfg.stats.fallbacks[("t_flaky2", "sdpa", "non-finite output (forward redone)")] == 1
+    assert len(flags) == 5 and ov.nonfinite_layers == {0} and not host_calls  # 2 + 2 (finding) + 1 (the redo)
+    assert cfg.stats.fallbacks[("t_flaky2", "auto_exact", "non-finite output (forward redone)")] == 1
     ref = torch.cat([sdpa_ref(q, k, v, h).flatten() for q, k, v, h in calls])
     assert cos_rel(outs[-1], ref)[1] < 1e-5
     assert cfg.check_finite == "deferred"  # outside a forward the net checks at once again
@@ -324,9 +327,10 @@ def test_an_unknown_model_keeps_per_call_flags(backends):
     assert patch.model_hides_nan(None) is True
 
 
-def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(backends, monkeypatch):
-    """auto's exact choices need no re-check: at the middle and last step they keep the lean path (ComfyUI's own
-    function for SDPA) instead of the dispatcher's, and no forward reads its sigma (a device sync) for the phase."""
+def test_auto_sdpa_choices_run_what_was_timed_through_the_recheck_steps(backends, monkeypatch):
+    """auto's exact choices need no re-check: at the middle and last step they keep the lean path, and no forward reads
+    its sigma (a device sync) for the phase. ``sdpa`` runs as it was timed: PyTorch's SDPA called by the dispatcher,
+    never ComfyUI's function (on ComfyUI 0.33 that runs under its own kernel priority, FlashAttention-2 first)."""
     reads = []
     real = nan_net.as_float
     monkeypatch.setattr(nan_net, "as_float", lambda s: reads.append(s) or real(s))
@@ -345,7 +349,8 @@ def test_auto_sdpa_choices_stay_on_comfyuis_function_through_the_recheck_steps(b
 
     sw(run, None, None, None, sigmas)
     assert list(sel.decisions.values()) == ["sdpa"]
-    assert cfg.stats.calls == {"sdpa": 1, "comfyui": 3} and len(host_calls) == 3  # tuned on the 1st, then ComfyUI's
+    assert cfg.stats.calls == {"sdpa": 4} and not host_calls  # tuned on the 1st, then the lean path
+    assert len(ov.lane().lean) == 1 and all(e.exact for e in ov.lane().lean.values())
     assert not reads
 
 

@@ -55,6 +55,12 @@
 #   fa4-mask       ComfyUI's bool/additive masks through FA4's mask_mod/score_mod: exactness vs fp32 SDPA, speed vs SDPA
 #                  with the same mask (FA4_MASK_BUDGET s, default 80)
 #   fa4-matrix     the contract matrix for flash_attn4 with its per-arch declarations
+#   exact-auto     auto_exact per call shape (tests/gpu/exact_auto.py): its choice among the exact kernels installed, the
+#                  device kernel that runs through ComfyUI's hook against the one it timed (profiler), its error vs fp32,
+#                  ComfyUI's own function beside it (run once per carried ComfyUI release)
+#   e2e-exact      Wan 1.3B 480p/81f, 10 steps, whole runs: unpatched, sdpa_cudnn, flash_attn4, auto_exact, auto and the
+#                  explicit sparse rows (their dense steps on the fastest exact kernel); rows not usable here are left out
+#   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -196,6 +202,26 @@ stage_install-manager() {
 
 stage_hostcost() { timeout 200 $PY tests/gpu/hostcost.py --md "$OUT/hostcost.md" --json "$OUT/hostcost.json" 2>&1 | tail -n 30; }
 
+avail_rows() {  # the rows of $1 that can run here: unpatched, auto, auto_exact, core:/peer: rows, usable backends
+  $PY - "$1" <<'PYEOF'
+import sys
+import attention as A
+rows = sys.argv[1].split(",")
+print(",".join(r for r in rows if r in ("unpatched", "auto", "auto_exact") or r.startswith(("core:", "peer:"))
+               or (r in A.REGISTRY and A.REGISTRY.get(r).available)))
+PYEOF
+}
+stage_exact-auto() {
+  timeout 300 $PY tests/gpu/exact_auto.py --md "$OUT/exact-auto.md" --json "$OUT/exact-auto.json" 2>&1 | tail -n 30
+}
+stage_e2e-exact() {
+  e2e e2e-exact 570 --preset wan-1.3b --steps 10 --rows "$(avail_rows unpatched,sdpa_cudnn,flash_attn4,auto_exact,auto,kitchen_sol,sparge)"
+}
+stage_e2e-exact-image() {
+  e2e e2e-exact-image 420 --preset flux-dev --preset sdxl --steps 6 \
+    --rows "$(avail_rows unpatched,sdpa,sdpa_cudnn,flash_attn4,auto_exact,auto)"
+}
+
 stage_sparge() {
   timeout 120 $PY tests/gpu/sparge_sweep.py --md "$OUT/sparge.md" --json "$OUT/sparge.json" 2>&1 | tail -n 30
   timeout 200 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 25
@@ -235,7 +261,7 @@ stage_fa4() {  # all four within FA4_TOTAL seconds (default 540: one 10-minute c
   FA4_END=0
 }
 
-[ $# -gt 0 ] || { sed -n '2,57p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,63p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
