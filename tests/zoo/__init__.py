@@ -14,16 +14,19 @@ import importlib
 import os
 import pkgutil
 
-from .core import BUILDERS, UNBUILT, Case, build, configurations, family, sample, unbuilt, with_, zeroed
+from .core import BUILDERS, UNBUILT, VARIANTS, Case, build, configurations, family, sample, unbuilt, variant, with_, zeroed
 
-__all__ = ["BUILDERS", "UNBUILT", "Case", "build", "configurations", "family", "family_modules", "load_families",
-           "sample", "unbuilt", "with_", "zeroed"]
+__all__ = ["BUILDERS", "UNBUILT", "VARIANTS", "Case", "build", "configurations", "family", "family_modules",
+           "load_families", "sample", "unbuilt", "variant", "with_", "zeroed"]
+
+
+NOT_FAMILIES = {"core", "measure"}  # the harness and the test-only call counters
 
 
 def family_modules() -> list[str]:
-    """The family modules of this package (every module but the core), sorted."""
+    """The family modules of this package (every module but the harness's), sorted."""
     here = os.path.dirname(os.path.abspath(__file__))
-    return sorted(m.name for m in pkgutil.iter_modules([here]) if m.name != "core" and not m.name.startswith("_"))
+    return sorted(m.name for m in pkgutil.iter_modules([here]) if m.name not in NOT_FAMILIES and not m.name.startswith("_"))
 
 
 def load_families() -> dict[str, str]:
@@ -31,4 +34,7 @@ def load_families() -> dict[str, str]:
     every builder. ComfyUI must be importable (the modules may read its classes)."""
     for name in family_modules():
         importlib.import_module(f"{__name__}.{name}")
+    both = set(BUILDERS) & set(UNBUILT)
+    if both:
+        raise ValueError(f"zoo: built and declared unbuilt: {', '.join(sorted(both))}")
     return {n: fn.__module__.rsplit(".", 1)[-1] for n, fn in BUILDERS.items()}

@@ -27,6 +27,13 @@ def _randn(*shape, seed=0, scale=1.0):
     return torch.randn(*shape, generator=_g(seed)) * scale
 
 
+def _case(**kw) -> Case:
+    """A case with norm scales near 1 as trained checkpoints have them (random ones near 0 make attention uniform, and
+    a wrong kernel would not show in the latent)."""
+    kw.setdefault("norm_init", 0.05)
+    return Case(**kw)
+
+
 def unet(ch, mult, depth, *, ctx, in_ch=4, out_ch=4, adm=None, res=1, depth_mid=1, **extra):
     """A UNetModel config as ComfyUI's detection writes it: ``depth[level]`` transformer blocks after each res block
     of that level (0: none), ``res`` res blocks per level."""
@@ -55,14 +62,14 @@ def _sd1(gpu, in_ch=4, ctx_tokens=77):
 @family("SD15")
 def sd15(cls, gpu):
     cfg, hw, _, text = _sd1(gpu)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]])
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]])
 
 
 @family("SD15_instructpix2pix")
 def sd15_ip2p(cls, gpu):
     cfg, hw, _, text = _sd1(gpu, in_ch=8)
     image = _randn(1, 4, hw, hw, seed=2)  # the InstructPixToPixConditioning node's encoded input image
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {"concat_latent_image": image}]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {"concat_latent_image": image}]],
                 negative=[[torch.zeros_like(text), {"concat_latent_image": image}]])
 
 
@@ -74,7 +81,7 @@ def zero123(cls, gpu):
     cam = _randn(1, 1, 768 + 4, seed=3)
     image = _randn(1, 4, hw, hw, seed=2)
     sd = {"cc_projection.weight": torch.zeros(ctx, 768 + 4), "cc_projection.bias": torch.zeros(ctx)}
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), state_dict=sd,
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), state_dict=sd,
                 positive=[[cam, {"concat_latent_image": image}]],
                 negative=[[torch.zeros_like(cam), {"concat_latent_image": torch.zeros_like(image)}]])
 
@@ -91,7 +98,7 @@ def _sd2(gpu, in_ch=4, adm=None, **extra):
 @family("SD20")
 def sd20(cls, gpu):
     cfg, hw, text = _sd2(gpu)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]])
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]])
 
 
 @family("SD21UnclipL", "SD21UnclipH")
@@ -100,15 +107,22 @@ def sd21_unclip(cls, gpu):
     cfg, hw, text = _sd2(gpu, adm=adm)
     embeds = types.SimpleNamespace(image_embeds=_randn(1, adm // 2, seed=4))  # a CLIPVisionEncode output
     unclip = [{"clip_vision_output": embeds, "strength": 1.0, "noise_augmentation": 0.1}]
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {"unclip_conditioning": unclip}]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {"unclip_conditioning": unclip}]],
                 negative=[[torch.zeros_like(text), {}]])
 
 
 @family("LotusD")
 def lotus(cls, gpu):
     cfg, hw, text = _sd2(gpu, adm=4)  # a 4-wide task embedding
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]], cfg=1.0, sampler="euler",
-                notes="image-to-image (depth/normal) model: sampled from noise here")
+    notes = "image-to-image (depth/normal) model: sampled from noise here"
+    extra = {}
+    if "num_head_channels" not in cls.unet_extra_config:
+        # 0.3.64's LotusD configuration replaces SD2's head size with nothing (a Lotus checkpoint fails to load there:
+        # "Either num_heads or num_head_channels has to be set"); 0.33 sets SD2's 64, as here
+        extra = {"num_head_channels": 64}
+        notes += "; this release's configuration sets no head size: the zoo gives it SD2's 64"
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]], cfg=1.0, notes=notes,
+                 unet_extra_config=extra)
 
 
 @family("SD_X4Upscaler")
@@ -121,7 +135,7 @@ def x4_upscaler(cls, gpu):
     text = _randn(1, TOKENS_GPU if gpu else 77, ctx, seed=1)
     image = _randn(1, 3, hw, hw, seed=2, scale=0.5)
     extras = {"concat_image": image, "noise_augmentation": 0.2}
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]],
                 negative=[[torch.zeros_like(text), extras]])
 
 
@@ -140,7 +154,7 @@ def _sdxl(cls, gpu, in_ch=4, refiner=False):
 @family("SDXL", "SSD1B", "Segmind_Vega", "KOALA_700M", "KOALA_1B")
 def sdxl(cls, gpu):
     cfg, hw, text, extras = _sdxl(cls, gpu)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]],
                 notes="" if cls.__name__ == "SDXL" else "SDXL's UNet with its own transformer depths: the same at "
                                                          "this size")
 
@@ -148,7 +162,7 @@ def sdxl(cls, gpu):
 @family("SDXLRefiner")
 def sdxl_refiner(cls, gpu):
     cfg, hw, text, extras = _sdxl(cls, gpu, refiner=True)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {**extras, "aesthetic_score": 6.0}]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {**extras, "aesthetic_score": 6.0}]],
                 negative=[[torch.zeros_like(text), {**extras, "aesthetic_score": 2.5, "prompt_type": "negative"}]])
 
 
@@ -156,7 +170,7 @@ def sdxl_refiner(cls, gpu):
 def sdxl_ip2p(cls, gpu):
     cfg, hw, text, extras = _sdxl(cls, gpu, in_ch=8)
     image = _randn(1, 4, hw, hw, seed=2)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {**extras, "concat_latent_image": image}]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {**extras, "concat_latent_image": image}]],
                 negative=[[torch.zeros_like(text), {**extras, "concat_latent_image": image}]])
 
 
@@ -165,7 +179,7 @@ def sdxl_ip2p(cls, gpu):
 @family("SVD_img2vid", "SV3D_u", "SV3D_p")
 def svd(cls, gpu):
     ch, ctx = (320, 1024) if gpu else (64, 32)
-    hw, frames = (16, 8) if gpu else (8, 3)
+    hw, frames = (16, 5) if gpu else (8, 3)
     cfg = unet(ch, (1, 2), (1, 1), ctx=ctx, in_ch=8, adm=cls.unet_config["adm_in_channels"],
                use_linear_in_transformer=True, use_temporal_resblock=True, use_temporal_attention=True,
                extra_ff_mix_layer=True, use_spatial_context=True, merge_strategy="learned_with_images",
@@ -178,7 +192,7 @@ def svd(cls, gpu):
     image = _randn(1, 4, hw, hw, seed=2)
     extras = {"concat_latent_image": image, "motion_bucket_id": 127, "fps": 6, "augmentation_level": 0.0,
               "elevation": 10.0, "azimuth": 30.0}
-    return Case(unet_config=cfg, latent=(frames, 4, hw, hw), positive=[[emb, extras]],
+    return _case(unet_config=cfg, latent=(frames, 4, hw, hw), positive=[[emb, extras]],
                 negative=[[torch.zeros_like(emb), {**extras, "concat_latent_image": torch.zeros_like(image)}]],
                 cfg=2.5, init_std=0.03)
 
@@ -193,20 +207,20 @@ def cascade_c(cls, gpu):
            "c_clip_text_pooled": txt}
     hw = 24 if gpu else 8
     text = _randn(1, TOKENS_GPU if gpu else 8, txt, seed=1)
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[text, {"pooled_output": _randn(1, 1, txt, seed=5)}]],
-                cfg=4.0)
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[text, {"pooled_output": _randn(1, 1, txt, seed=5)}]],
+                cfg=4.0, init_std=0.08)
 
 
 @family("Stable_Cascade_B")
 def cascade_b(cls, gpu):
     c, heads, clip = (128, 2, 1280) if gpu else (64, 2, 32)
-    cfg = {"stable_cascade_stage": "b", "c_cond": c, "c_hidden": [32, 32, c, c], "nhead": [-1, -1, heads, heads],
+    cfg = {"stable_cascade_stage": "b", "c_cond": c, "c_hidden": [16, 16, c, c], "nhead": [-1, -1, heads, heads],
            "blocks": [[1, 1, 1, 1], [1, 1, 1, 1]], "block_repeat": [[1, 1, 1, 1], [1, 1, 1, 1]], "c_clip": clip}
     hw = 128 if gpu else 32
     # StableCascade_StageB_Conditioning: stage C's output as the effnet prior
     extras = {"pooled_output": _randn(1, 1, clip, seed=5), "stable_cascade_prior": _randn(1, 16, hw // 8, hw // 8, seed=7)}
     text = _randn(1, 8, clip, seed=1)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]], cfg=1.1)
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]], cfg=1.1, init_std=0.08)
 
 
 # ---------------------------------------------------------------- SD3 / SD3.5 (MMDiT: 64-wide heads)
@@ -228,7 +242,7 @@ def sd3(cls, gpu):
                                                                                "out_features": 64 * 2}}}
     hw = 32 if gpu else 8
     text = _randn(1, TOKENS_GPU if gpu else 12, ctx_in, seed=1)
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[text, {"pooled_output": _randn(1, pooled, seed=5)}]],
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[text, {"pooled_output": _randn(1, pooled, seed=5)}]],
                 init=_fill_pos_embed, cfg=4.0)
 
 
@@ -239,7 +253,8 @@ def auraflow(cls, gpu):
     cfg = {"in_channels": 4, "out_channels": 4, "patch_size": 2, "dim": dim, "n_heads": heads, "n_layers": 2,
            "n_double_layers": 1, "global_conddim": dim, "cond_seq_dim": seq, "max_seq": (hw // 2) ** 2}
     text = _randn(1, 256 if gpu else 8, seq, seed=1)
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]], cfg=3.5, init_std=0.03)
+    # its adaLN gates are products of two random layers: at 0.05 the attention's share of the latent is ~1e-8
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, {}]], cfg=3.5, init_std=0.1)
 
 
 # ---------------------------------------------------------------- PixArt, HunyuanDiT: attention outside the hook
@@ -260,7 +275,7 @@ def pixart(cls, gpu):
            "caption_channels": cap, "model_max_length": tokens, "micro_condition": alpha}
     text = _randn(1, tokens, cap, seed=1)
     extras = {"width": hw * 8, "height": hw * 8} if alpha else {}
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]], cfg=4.5,
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[text, extras]], cfg=4.5,
                 outside_hook=PIXART_OUTSIDE)
 
 
@@ -281,7 +296,7 @@ def hunyuan_dit(cls, gpu):
     mask_t5[:, : t5_len // 2 + 1] = 1
     extras = {"attention_mask": mask, "conditioning_mt5xl": _randn(1, t5_len, t5_w, seed=8),
               "attention_mask_mt5xl": mask_t5, "width": hw * 8, "height": hw * 8}
-    return Case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[_randn(1, clip_len, clip_w, seed=1), extras]],
+    return _case(unet_config=cfg, latent=(1, 4, hw, hw), positive=[[_randn(1, clip_len, clip_w, seed=1), extras]],
                 cfg=5.0, outside_hook=HYDIT_OUTSIDE)
 
 
@@ -297,12 +312,14 @@ def sdxl_controlnet(cls, gpu):
     the hint block), random weights, applied to both conditionings as the Apply ControlNet (Advanced) node does."""
     import comfy.cldm.cldm
     import comfy.controlnet
-    import comfy.model_management
     import comfy.ops
+
     import nodes
 
     case = sdxl(cls, gpu)
-    cfg = {k: v for k, v in case.unet_config.items() if k not in ("out_channels", "transformer_depth_output")}
+    # the configuration's unet_config as the loader has it (its extra config applied), less the decoder's keys
+    cfg = dict(cls({**cls.unet_config, **case.unet_config}).unet_config)
+    cfg.pop("out_channels")
     dtype = torch.float32
 
     def controlnet(dtype=dtype, device="cpu"):
@@ -323,7 +340,7 @@ def sdxl_controlnet(cls, gpu):
                                                                 0.8, 0.0, 1.0)
 
     pos, neg = apply(case.positive, neg)
-    return Case(unet_config=case.unet_config, latent=case.latent, positive=pos, negative=neg,
+    return _case(unet_config=case.unet_config, latent=case.latent, positive=pos, negative=neg,
                 outside_hook=CONTROLNET_OUTSIDE, extra={"reapply": apply}, notes="ControlNet strength 0.8")
 
 
