@@ -40,6 +40,10 @@
 #   install-manager  install.py as ComfyUI Manager runs it: no arguments, no terminal, no network
 #   hostcost       host time per attention call: ComfyUI's function, sdpa, each Sage kernel with/without the NaN net, peers
 #   sparge         SpargeAttn threshold sweep and tuned-vs-default (tests/gpu/sparge_*.py)
+#   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
+#                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
+#                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
+#                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -185,7 +189,16 @@ stage_sparge() {
   timeout 200 $PY tests/gpu/sparge_tune_bench.py --md "$OUT/sparge-tune.md" --json "$OUT/sparge-tune.json" 2>&1 | tail -n 25
 }
 
-[ $# -gt 0 ] || { sed -n '2,45p' "$0"; exit 2; }
+stage_zoo() {
+  local part=${ZOO_PART:-1/1} budget=${ZOO_BUDGET:-420}
+  local tag=${part/\//of}
+  timeout $(( ${budget%.*} + 100 )) $PY tests/gpu/zoo.py --json "$OUT/zoo-gpu-$tag.json" --md "$OUT/zoo-gpu-$tag.md" \
+    --budget "$budget" --part "$part" > "$OUT/zoo-gpu-$tag.txt" 2>&1
+  echo "tests/gpu/zoo.py exit status $? (part $part); every case in zoo-gpu-$tag.txt"
+  grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
+}
+
+[ $# -gt 0 ] || { sed -n '2,46p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done

@@ -320,7 +320,8 @@ def sdxl_controlnet(cls, gpu):
     # the configuration's unet_config as the loader has it (its extra config applied), less the decoder's keys
     cfg = dict(cls({**cls.unet_config, **case.unet_config}).unet_config)
     cfg.pop("out_channels")
-    dtype = torch.float32
+    device = "cuda" if gpu and torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
     def controlnet(dtype=dtype, device="cpu"):
         cm = comfy.cldm.cldm.ControlNet(**cfg, hint_channels=3, dtype=dtype, device=device,
@@ -335,13 +336,13 @@ def sdxl_controlnet(cls, gpu):
     hint = torch.rand(1, hw * 8, hw * 8, 3, generator=_g(12))  # an IMAGE (B, H, W, C): a preprocessed edge map
     neg = [[torch.zeros_like(c), dict(ex)] for c, ex in case.positive]
 
-    def apply(positive, negative, dtype=dtype, device="cpu"):
+    def apply(positive, negative, dtype=dtype, device=device):
         return nodes.ControlNetApplyAdvanced().apply_controlnet(positive, negative, controlnet(dtype, device), hint,
                                                                 0.8, 0.0, 1.0)
 
     pos, neg = apply(case.positive, neg)
     return _case(unet_config=case.unet_config, latent=case.latent, positive=pos, negative=neg,
-                outside_hook=CONTROLNET_OUTSIDE, extra={"reapply": apply}, notes="ControlNet strength 0.8")
+                outside_hook=CONTROLNET_OUTSIDE, notes="ControlNet strength 0.8")
 
 
 def lora_for(model, rank=4, seed=13, scale=0.05):
