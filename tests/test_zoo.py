@@ -246,6 +246,8 @@ def test_gpu_sizes_build_and_run(zoo, name):
     import dataclasses
 
     z, mod, mappings, report = zoo
+    if name not in z.BUILDERS and name not in z.VARIANTS and name not in z.UNBUILT:
+        pytest.skip(f"{name} has no builder (test_configuration fails for it)")
     cls, builder, _ = resolve(z, name)
     first = next(n for n in NAMES if n in z.BUILDERS and z.BUILDERS[n] is builder or
                  n in z.VARIANTS and z.VARIANTS[n][1] is builder)
