@@ -219,8 +219,12 @@ class AttentionOverride:
         with self._lock:
             said, self.unreached_said = self.unreached_said, True
         if not said:
-            log.warning("Patch Attention (%s) cannot reach the attention of %s: %s; this model runs ComfyUI's own "
-                        "attention, unpatched (counted in stats)", self.config.backend, name, why)
+            log.warning("%s cannot reach the attention of %s: %s; this model runs ComfyUI's own attention, unpatched "
+                        "(counted in stats)", self.label(), name, why)
+
+    def label(self) -> str:
+        """What the user applied, for messages."""
+        return f"Patch Attention ({self.config.backend})"
 
     def mark_nonfinite(self, bad, ln: Lane) -> None:
         """Layers whose kernel returned NaN/inf in a forward of ``ln``: dense for the rest of the run, on every lane."""

@@ -50,6 +50,18 @@ def test_a_model_whose_attention_never_reaches_the_hook_is_said_once_per_run_and
     assert summary and "2 model forwards" in summary[-1]
 
 
+def test_the_tuning_run_says_it_by_its_own_name():
+    """Tune Sparse Attention on a model its override cannot reach: the same warning, naming the tuning node."""
+    from importlib import import_module
+
+    tuner = import_module(A.__name__ + ".sparge_tune").SpargeTuner(budget=0.05)
+    ov = patch.TuningOverride(tuner, "/nonexistent/profile.json", "fp", "Model")
+    with capture("patch_attention") as recs:
+        patch.ForwardWrapper(ov)(lambda x, t: x, torch.zeros(1), torch.tensor([1.0]))
+    warns = _warnings(recs)
+    assert len(warns) == 1 and warns[0].startswith("Tune Sparse Attention (sparge)")
+
+
 def test_a_model_whose_attention_reaches_the_hook_gets_no_warning():
     ov = patch.AttentionOverride(A.AttentionConfig(backend="sdpa_math"))
     with capture("patch_attention") as recs:
