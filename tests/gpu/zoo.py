@@ -91,6 +91,17 @@ def _alarm(signum, frame):
     raise CaseTimeout("timed out")
 
 
+def free_models(device):
+    """Every model ComfyUI holds unloaded, and the cache emptied: the next configuration starts clean."""
+    import comfy.model_management as mm
+    import torch
+
+    mm.unload_all_models()
+    mm.soft_empty_cache()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+
+
 def rel_l1(a, b) -> float:
     return float((a.double() - b.double()).abs().sum() / b.double().abs().sum().clamp_min(1e-30))
 
@@ -166,8 +177,7 @@ def run_config(z, mod, name, cls, builder, backends, case_timeout, device="cuda"
             print(f"zoo {name} {backend}: CRASH {run['crash']}", flush=True)
         run["seconds"] = round(time.perf_counter() - t1, 2)
     del base
-    if device == "cuda":
-        torch.cuda.empty_cache()
+    free_models(device)
     res["seconds"] = round(time.perf_counter() - t0, 2)
     return res
 
@@ -278,8 +288,7 @@ def main(argv=None) -> int:
             results[name] = {"configuration": config, "crash": f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}",
                              "traceback": traceback.format_exc()[-2000:]}
             print(f"zoo {name}: CRASH before the runs: {results[name]['crash']}", flush=True)
-            if a.device == "cuda":
-                torch.cuda.empty_cache()
+            free_models(a.device)
         write()
     write()
     fails = sum(1 for r in results.values() for run in r.get("runs", {}).values() if not run.get("ok"))
