@@ -16,7 +16,7 @@ class Stats:
     errors: Counter = field(default_factory=Counter)  # (backend, error) -> n
     metrics: dict = field(default_factory=lambda: defaultdict(list))  # (backend, name) -> values
     decisions: dict = field(default_factory=dict)  # auto: signature -> text
-    unreached: Counter = field(default_factory=Counter)  # (model, why) -> model forwards no attention call reached
+    unreached: Counter = field(default_factory=Counter)  # (model, why) -> runs (lanes) whose attention never reached
     _cpu_time: Counter = field(default_factory=Counter)
     _events: dict = field(default_factory=lambda: defaultdict(list))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -31,7 +31,8 @@ class Stats:
         self.errors[(backend, error)] += 1
 
     def count_unreached(self, model: str, why: str) -> None:
-        """A model forward in which no attention call reached the override (the model's attention bypasses it)."""
+        """A run whose first model forward made no attention call that reached the override (the model's attention
+        bypasses it)."""
         self.unreached[(model, why)] += 1
 
     def add_metrics(self, backend: str, values: dict) -> None:
@@ -101,7 +102,7 @@ class Stats:
                 {"from": f, "to": t, "reason": r, "count": n} for (f, t, r), n in self.fallbacks.items()
             ],
             "errors": [{"backend": b, "error": e, "count": n} for (b, e), n in self.errors.items()],
-            "unreached": [{"model": m, "why": w, "forwards": n} for (m, w), n in self.unreached.items()],
+            "unreached": [{"model": m, "why": w, "runs": n} for (m, w), n in self.unreached.items()],
             "metrics": {
                 f"{b}.{k}": {"mean": sum(v) / len(v), "n": len(v)} for (b, k), v in self.metrics.items() if v
             },
@@ -121,7 +122,7 @@ class Stats:
             for f in d["fallbacks"]:
                 lines.append(f"  {f['from']} -> {f['to']}: {f['reason']} ({f['count']}x)")
         for u in d["unreached"]:
-            lines.append(f"not reached: {u['model']}: {u['why']} ({u['forwards']} model forwards)")
+            lines.append(f"attention not reached: {u['model']}: {u['why']}")
         for key, m in d["metrics"].items():
             lines.append(f"  {key}: mean {m['mean']:.4f} over {m['n']} calls")
         for sig, why in d["auto"].items():

@@ -212,8 +212,8 @@ class AttentionOverride:
             log.info("Patch Attention (%s): %s", self.config.backend, self.stats.summary())
 
     def unreached(self, ln: Lane, base_model) -> None:
-        """A forward of ``ln`` in which no attention call reached this override: counted in the lane's statistics
-        (``log_stats`` reports it), and said once per run."""
+        """The first forward of a run in ``ln`` made no attention call that reached this override: counted in the
+        lane's statistics (``log_stats`` reports it), and said once per run."""
         name, why = unreached_reason(base_model)
         ln.config.stats.count_unreached(name, why)
         with self._lock:

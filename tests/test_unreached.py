@@ -45,9 +45,28 @@ def test_a_model_whose_attention_never_reaches_the_hook_is_said_once_per_run_and
     assert len(warns) == 2  # once per run
     assert "transformer_options" in warns[0] and "ComfyUI's own attention" in warns[0]
     [(model, why)] = list(ov.stats.unreached)
-    assert ov.stats.unreached[(model, why)] == 2  # the last run's forwards (statistics are per run)
-    summary = [r.getMessage() for r in recs if r.levelno == logging.INFO and "not reached" in r.getMessage()]
-    assert summary and "2 model forwards" in summary[-1]
+    assert ov.stats.unreached[(model, why)] == 1  # the last run (statistics are per run)
+    summary = [r.getMessage() for r in recs if r.levelno == logging.INFO and "attention not reached" in r.getMessage()]
+    assert len(summary) == 2 and "transformer_options" in summary[-1]
+
+
+def test_only_the_first_forward_decides():
+    """A forward with no attention call later in a run (a cache node skipping the model's blocks) is no bypass."""
+    ov = patch.AttentionOverride(A.AttentionConfig(backend="sdpa_math"))
+    fw, sw = patch.ForwardWrapper(ov), patch.SampleWrapper(ov)
+    q = torch.randn(1, 16, 32)
+
+    def forward(x, t):
+        ov(None, q, q, q, 2, transformer_options={})
+        return x
+
+    def run(*args):
+        fw(forward, torch.zeros(1), torch.tensor([10.0]))
+        fw(lambda x, t: x, torch.zeros(1), torch.tensor([5.0]))  # cached: the blocks did not run
+
+    with capture("patch_attention") as recs:
+        sw(run, None, None, None, torch.tensor([10.0, 5.0, 0.0]))
+    assert not _warnings(recs) and not ov.stats.unreached
 
 
 def test_the_tuning_run_says_it_by_its_own_name():
@@ -145,7 +164,7 @@ def test_no_op_family_is_said_once_with_its_class(zoo, name):
     cls_name = {"PixArtAlpha": "PixArtMS", "HunyuanDiT": "HunYuanDiT"}[name]
     assert len(warns) == 1 and cls_name in warns[0] and "transformer_options" in warns[0]
     st = mod.nodes.patch.override_of(patched).stats
-    assert st.total_calls == 0 and sum(st.unreached.values()) == case.steps  # one forward per step (cond + uncond)
+    assert st.total_calls == 0 and sum(st.unreached.values()) == 1  # the run's first forward said it
     assert torch.isfinite(out).all()
 
 
