@@ -130,7 +130,7 @@ def x4_upscaler(cls, gpu):
     # four levels (its configuration disables self-attention on the first three: they cross-attend to the text),
     # attention on the inner two, 8 heads; the low-resolution image is concatenated to the latent
     ch, ctx = (256, 1024) if gpu else (64, 32)
-    hw = 64 if gpu else 16
+    hw = 96 if gpu else 16  # GPU: >= 144 tokens at the innermost level
     cfg = unet(ch, (1, 1, 2, 2), (0, 0, 1, 1), ctx=ctx, in_ch=7, use_linear_in_transformer=True)
     text = _randn(1, TOKENS_GPU if gpu else 77, ctx, seed=1)
     image = _randn(1, 3, hw, hw, seed=2, scale=0.5)
@@ -179,7 +179,7 @@ def sdxl_ip2p(cls, gpu):
 @family("SVD_img2vid", "SV3D_u", "SV3D_p")
 def svd(cls, gpu):
     ch, ctx = (320, 1024) if gpu else (64, 32)
-    hw, frames = (16, 5) if gpu else (8, 3)
+    hw, frames = (24, 4) if gpu else (8, 3)  # GPU: >= 144 tokens per frame at the inner level
     cfg = unet(ch, (1, 2), (1, 1), ctx=ctx, in_ch=8, adm=cls.unet_config["adm_in_channels"],
                use_linear_in_transformer=True, use_temporal_resblock=True, use_temporal_attention=True,
                extra_ff_mix_layer=True, use_spatial_context=True, merge_strategy="learned_with_images",
@@ -216,7 +216,7 @@ def cascade_b(cls, gpu):
     c, heads, clip = (128, 2, 1280) if gpu else (64, 2, 32)
     cfg = {"stable_cascade_stage": "b", "c_cond": c, "c_hidden": [16, 16, c, c], "nhead": [-1, -1, heads, heads],
            "blocks": [[1, 1, 1, 1], [1, 1, 1, 1]], "block_repeat": [[1, 1, 1, 1], [1, 1, 1, 1]], "c_clip": clip}
-    hw = 128 if gpu else 32
+    hw = 192 if gpu else 32  # GPU: >= 144 tokens at the innermost (attention) level
     # StableCascade_StageB_Conditioning: stage C's output as the effnet prior
     extras = {"pooled_output": _randn(1, 1, clip, seed=5), "stable_cascade_prior": _randn(1, 16, hw // 8, hw // 8, seed=7)}
     text = _randn(1, 8, clip, seed=1)
