@@ -309,9 +309,10 @@ class AttentionOverride:
                 and getattr(func, "__name__", None) == "attention_pytorch" and is_host_exact(func) \
                 and len(args) > 1 and same_heads(args[0], args[1]):
             # `sdpa` in a compiled model: ComfyUI's own SDPA function traced into the graph, as in the unpatched model
-            # (inductor compiles its SDPA call); nothing of the override's state is read or counted in traced code.
+            # (inductor compiles its SDPA call); nothing of the override's state is read or counted in traced code,
+            # one flag is set: these calls reach the hook uncounted (the model does not bypass it).
             # Only attention_pytorch: ComfyUI's split/sub-quadratic functions query free memory (graph breaks).
-            self.traced_host = True  # the calls reach the hook, uncounted (not a model that bypasses it)
+            self.traced_host = True
             return func(*args, **kwargs)
         if compiling:
             a, rest = bind(args, kwargs)
