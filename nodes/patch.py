@@ -147,6 +147,9 @@ class TuningOverride(AttentionOverride):
         self._bar.update(1)
         return out
 
+    def label(self) -> str:
+        return f"Tune Sparse Attention ({self.tuner.variant})"
+
     def end_run(self) -> None:
         if self._bar is not None:
             self._bar.close()

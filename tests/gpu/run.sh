@@ -61,6 +61,10 @@
 #   e2e-exact      Wan 1.3B 480p/81f, 10 steps, whole runs: unpatched, sdpa_cudnn, flash_attn4, auto_exact, auto and the
 #                  explicit sparse rows (their dense steps on the fastest exact kernel); rows not usable here are left out
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
+#   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
+#                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
+#                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
+#                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -261,7 +265,16 @@ stage_fa4() {  # all four within FA4_TOTAL seconds (default 540: one 10-minute c
   FA4_END=0
 }
 
-[ $# -gt 0 ] || { sed -n '2,63p' "$0"; exit 2; }
+stage_zoo() {
+  local part=${ZOO_PART:-1/1} budget=${ZOO_BUDGET:-420}
+  local tag=${part/\//of}
+  timeout $(( ${budget%.*} + 100 )) $PY tests/gpu/zoo.py --json "$OUT/zoo-gpu-$tag.json" --md "$OUT/zoo-gpu-$tag.md" \
+    --budget "$budget" --part "$part" > "$OUT/zoo-gpu-$tag.txt" 2>&1
+  echo "tests/gpu/zoo.py exit status $? (part $part); every case in zoo-gpu-$tag.txt"
+  grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
+}
+
+[ $# -gt 0 ] || { sed -n '2,67p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done

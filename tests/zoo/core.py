@@ -26,7 +26,7 @@ class Case:
     """One configuration's tiny model and what a workflow samples it with."""
 
     unet_config: dict  # tiny sizes; merged over the configuration's own ``unet_config`` (the keys it matches on)
-    latent: tuple  # shape of the latent (and of the noise)
+    latent: tuple  # shape of the latent (and of the noise); a tuple of shapes: a nested latent (e.g. TripoSplat's latent + camera)
     positive: list  # ComfyUI conditioning: [[cross-attention tensor, {extras: pooled_output, attention_mask, ...}], ...]
     negative: list | None = None  # None: the positive's shapes, zeroed (what an empty negative prompt gives)
     cfg: float = 2.0
@@ -37,14 +37,29 @@ class Case:
     # "" (none), "some: <why>" (e.g. a text refiner), "all: <why>" (the model's attention never reaches it).
     outside_hook: str = ""
     patch: Callable | None = None  # (ModelPatcher) -> ModelPatcher before sampling: a ControlNet, a LoRA, ...
+    # Sizes a configuration's ``unet_extra_config`` forces over ``unet_config`` (Ideogram 4's 18 heads of 256):
+    # replaced after the configuration's own __init__, so the tiny model keeps its class and code.
+    unet_extra_config: dict = field(default_factory=dict)
     init_std: float = 0.05  # random weights ~ N(0, init_std)
+    # Norm layers' scales (weight/gamma/scale of a module whose class name says Norm, q/k norms included) ~ 1 + N(0, this)
+    # instead: at N(0, init_std) they shrink q and k so far that attention is uniform and a wrong kernel goes unseen.
+    norm_init: float | None = None
+    # (diffusion model, torch.Generator) -> None after the random weights: what a checkpoint would fill that is not a
+    # parameter (e.g. a positional-embedding buffer made with torch.empty)
+    init: Callable | None = None
     seed: int = 0
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    # A checkpoint's other entries: what the configuration's ``get_model`` loads besides the diffusion model (Stable
+    # Audio's seconds embedders, Zero123's cc_projection; only keys and shapes matter, every parameter is drawn
+    # afterwards), and under "model.diffusion_model." what is loaded into the diffusion model after the draw (buffers it
+    # leaves empty).
+    state_dict: dict = field(default_factory=dict)
 
 
 BUILDERS: dict[str, Callable[[type, bool], Case]] = {}
 UNBUILT: dict[str, str] = {}  # configuration name -> why the zoo cannot build it yet
+VARIANTS: dict[str, tuple[str, Callable[[type, bool], Case]]] = {}  # "SDXL+ControlNet" -> (configuration, builder)
 
 
 def family(*names: str):
@@ -55,6 +70,19 @@ def family(*names: str):
             if n in BUILDERS:
                 raise ValueError(f"zoo: {n} has two builders ({BUILDERS[n].__name__}, {fn.__name__})")
             BUILDERS[n] = fn
+        return fn
+
+    return deco
+
+
+def variant(name: str, config: str):
+    """Register a builder for a workflow variant of configuration ``config`` (a ControlNet, a LoRA, ...): sampled
+    like the configurations, under ``name``."""
+
+    def deco(fn):
+        if name in VARIANTS:
+            raise ValueError(f"zoo: variant {name} registered twice")
+        VARIANTS[name] = (config, fn)
         return fn
 
     return deco
@@ -72,18 +100,36 @@ def configurations() -> list[type]:
     return list(sm.models)
 
 
+UNET = "model.diffusion_model."
+
+
 def build(cls: type, case: Case, dtype=torch.float32, device="cpu"):
     """A ModelPatcher over ``cls``'s model with ``case``'s tiny config and seeded random weights."""
     import comfy.model_patcher
 
     cfg = {**getattr(cls, "unet_config", {}), **case.unet_config}
     mc = cls(cfg)
+    mc.unet_config.update(case.unet_extra_config)
     mc.set_inference_dtype(dtype, None)
-    model = mc.get_model({}, device=device)
+    with torch.no_grad():  # as ComfyUI's executor runs a loader (0.3.64's Zero123 copies checkpoint tensors in place)
+        model = mc.get_model(dict(case.state_dict), device=device)
     g = torch.Generator().manual_seed(case.seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((torch.randn(p.shape, generator=g) * case.init_std).to(p.dtype))
+        if case.norm_init is not None:
+            for mod in model.modules():
+                if "norm" not in type(mod).__name__.lower():
+                    continue
+                for name, p in mod.named_parameters(recurse=False):
+                    if name in ("weight", "gamma", "scale"):
+                        p.copy_((1 + torch.randn(p.shape, generator=g) * case.norm_init).to(p.dtype))
+        unet = {k[len(UNET):]: v for k, v in case.state_dict.items() if k.startswith(UNET)}
+        if unet:  # what a checkpoint carries besides weights (buffers the model leaves empty, e.g. rotary frequencies)
+            missing, unexpected = model.diffusion_model.load_state_dict(unet, strict=False)
+            assert not unexpected, f"zoo: {cls.__name__}: no such diffusion-model keys: {unexpected}"
+        if case.init is not None:
+            case.init(model.diffusion_model, g)
     dev = torch.device(device)
     off = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=off)
@@ -100,17 +146,38 @@ def zeroed(cond: list) -> list:
     return out
 
 
+def nested(latent) -> bool:
+    """A tuple of shapes: a nested latent (several streams sampled together)."""
+    return len(latent) > 0 and isinstance(latent[0], (tuple, list))
+
+
 def sample(patcher, case: Case, seed: int = 1):
-    """Sample ``patcher`` (already patched or not) with ``case``'s conditioning; returns the final latent (CPU, fp32)."""
+    """Sample ``patcher`` (already patched or not) with ``case``'s conditioning; returns the final latent (CPU, fp32).
+
+    A nested latent comes back packed as ComfyUI's sampler packs it: ``[B, 1, all streams' elements]``. Torch's global
+    generator is seeded too: ComfyUI 0.3.64 leaves diffusion models in training mode, so a model with dropout (ACE-Step's
+    lyric encoder) draws from it on every step."""
     import comfy.sample
 
     if case.patch is not None:
         patcher = case.patch(patcher)
-    latent = torch.zeros(case.latent)
-    noise = torch.randn(case.latent, generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    if nested(case.latent):
+        import comfy.nested_tensor
+
+        latent = comfy.nested_tensor.NestedTensor([torch.zeros(s) for s in case.latent])
+        noise = comfy.nested_tensor.NestedTensor([torch.randn(s, generator=g) for s in case.latent])
+    else:
+        latent = torch.zeros(case.latent)
+        noise = torch.randn(case.latent, generator=g)
     neg = case.negative if case.negative is not None else zeroed(case.positive)
     out = comfy.sample.sample(patcher, noise, case.steps, case.cfg, case.sampler, case.scheduler, case.positive, neg,
-                              latent, disable_pbar=True)
+                              latent, disable_pbar=True, seed=seed)
+    if getattr(out, "is_nested", False):
+        import comfy.utils
+
+        out = comfy.utils.pack_latents(out.unbind())[0]
     return out.float().cpu()
 
 
