@@ -1,3 +1,363 @@
-"""Zoo builders: image_dit."""
+"""Zoo builders: image DiTs (Flux and its descendants, Chroma, HiDream, Qwen-Image, Lumina 2 / Z-Image, OmniGen 2, ...).
+
+Each builder reads the release it runs on only where ComfyUI's constructors differ (a dataclass field added, a keyword
+renamed); the sizes are ComfyUI's own config keys, shrunk. CPU sizes: width 64-128, 2 heads, a few dozen tokens.
+GPU sizes: each family's real head dim (Flux/Qwen/Chroma 128, Lumina 2 96/128, Ideogram 4 256, ...), at least 128
+image tokens and 128 text tokens where the family takes them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
 
 from .core import Case, family, unbuilt  # noqa: F401
+
+
+def _g(seed: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _fields(params_cls, cfg: dict) -> dict:
+    """``cfg`` without the keys the release's params dataclass lacks (fields a newer ComfyUI added)."""
+    names = {f.name for f in dataclasses.fields(params_cls)}
+    return {k: v for k, v in cfg.items() if k in names or k == "image_model"}
+
+
+def _kw(fn, cfg: dict) -> dict:
+    """``cfg`` without the keywords ``fn`` (a model's ``__init__``) does not take on this release."""
+    import inspect
+
+    params = inspect.signature(fn).parameters
+    if any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return dict(cfg)
+    return {k: v for k, v in cfg.items() if k in params}
+
+
+def _text_mask(n: int, valid: int) -> torch.Tensor:
+    """A text encoder's attention mask for one prompt: ``valid`` real tokens, then padding."""
+    m = torch.zeros(1, n, dtype=torch.long)
+    m[:, :valid] = 1
+    return m
+
+
+# ---------------------------------------------------------------- Flux.1 and its variants
+
+def _flux(gpu: bool, **over) -> dict:
+    from comfy.ldm.flux.model import FluxParams
+
+    cfg = dict(in_channels=16, out_channels=16, vec_in_dim=64 if gpu else 32, context_in_dim=64 if gpu else 32,
+               hidden_size=256 if gpu else 64, mlp_ratio=2.0, num_heads=2, depth=1, depth_single_blocks=1,
+               axes_dim=[16, 56, 56] if gpu else [8, 12, 12], theta=10000, patch_size=2, qkv_bias=True,
+               guidance_embed=True, txt_ids_dims=[])
+    cfg.update(over)
+    return _fields(FluxParams, cfg)
+
+
+def _flux_text(gpu: bool, dim: int, seed: int = 0, n=None):
+    n = n or (128 if gpu else 8)
+    g = _g(seed)
+    return torch.randn(1, n, dim, generator=g), g
+
+
+@family("Flux")
+def flux_kontext(cls, gpu):
+    """Flux.1 dev as FLUX.1 Kontext runs it: a reference latent beside the image tokens ("offset"), guidance."""
+    cfg = _flux(gpu)
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"])
+    hw = 32 if gpu else 8
+    ref = torch.randn(1, 16, hw, hw, generator=g)
+    pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 2.5,
+                  "reference_latents": [ref]}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="Kontext-style edit: reference latent (offset method), guidance 2.5")
+
+
+@family("FluxSchnell")
+def flux_schnell_redux(cls, gpu):
+    """Flux.1 schnell with a Redux image prompt applied by ComfyUI's own Apply Style Model node in ``attn_bias`` mode:
+    the extra tokens and a float attention-bias mask over text + image tokens."""
+    import nodes as comfy_nodes
+
+    cfg = _flux(gpu, guidance_embed=False)
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"])
+    redux = torch.randn(1, 16 if gpu else 4, cfg["context_in_dim"], generator=g)
+
+    class _Style:  # what StyleModelApply reads from a style model: the tokens for an image
+        def get_cond(self, clip_vision_output):
+            return redux
+
+    cond = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g)}]]
+    pos = comfy_nodes.StyleModelApply().apply_stylemodel(cond, _Style(), None, 0.5, "attn_bias")[0]
+    hw = 32 if gpu else 8
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="Redux attn_bias 0.5: a float mask [B, Ntxt+Nimg, Ntxt+Nimg] through every joint attention")
+
+
+@family("FluxInpaint")
+def flux_fill(cls, gpu):
+    """Flux.1 Fill: the masked image and the pixel mask concatenated to the latent (InpaintModelConditioning)."""
+    cfg = _flux(gpu, in_channels=96)
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"])
+    hw = 32 if gpu else 8
+    mask = torch.zeros(1, 1, hw * 8, hw * 8)
+    mask[..., hw * 2:hw * 6, hw * 2:hw * 6] = 1.0
+    pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 30.0,
+                  "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g), "concat_mask": mask}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="inpaint: concat latent + 8x8-packed pixel mask (96 input channels), guidance 30")
+
+
+@family("LongCatImage")
+def longcat(cls, gpu):
+    """LongCat-Image: Flux layout, Qwen2.5-VL text (3584 wide, the key ComfyUI matches on), text positions on two rope
+    axes, no pooled vector, no guidance."""
+    cfg = _flux(gpu, guidance_embed=False, vec_in_dim=None, context_in_dim=3584, txt_ids_dims=[1, 2])
+    ctx, g = _flux_text(gpu, 3584)
+    hw = 32 if gpu else 8
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {}]], init_std=0.06 if gpu else 0.1)
+
+
+def _flux2(gpu: bool) -> dict:
+    from comfy.ldm.flux.model import FluxParams
+
+    cfg = dict(in_channels=128, out_channels=128, vec_in_dim=None, context_in_dim=96 if gpu else 48,
+               hidden_size=256 if gpu else 64, mlp_ratio=3.0, num_heads=2, depth=1, depth_single_blocks=1,
+               axes_dim=[32, 32, 32, 32] if gpu else [8, 8, 8, 8], theta=2000, patch_size=1, qkv_bias=False,
+               guidance_embed=True, txt_ids_dims=[3], global_modulation=True, mlp_silu_act=True, ops_bias=False,
+               default_ref_method="index", ref_index_scale=10.0)
+    return _fields(FluxParams, cfg)
+
+
+@family("Flux2")
+def flux2_edit(cls, gpu):
+    """FLUX.2 with two reference images (its multi-reference edit: ``index`` method, each on its own rope index); the
+    model pads the text to 512 tokens, so every joint call has >= 512 text keys."""
+    cfg = _flux2(gpu)
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"], n=64 if gpu else 12)
+    hw = 16 if gpu else 4
+    refs = [torch.randn(1, 128, hw, hw, generator=g), torch.randn(1, 128, hw // 2, hw, generator=g)]
+    pos = [[ctx, {"guidance": 4.0, "reference_latents": refs}]]
+    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.1 if gpu else 0.2,
+                notes="two reference latents (index method); text padded to 512 by model_base.Flux2")
+
+
+def _chroma(gpu: bool, **over) -> dict:
+    h = 256 if gpu else 64
+    cfg = dict(in_channels=64, out_channels=64, context_in_dim=64 if gpu else 32, hidden_size=h, mlp_ratio=2.0,
+               num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[16, 56, 56] if gpu else [8, 12, 12], theta=10000,
+               patch_size=2, qkv_bias=True, in_dim=64, out_dim=h, hidden_dim=64 if gpu else 32, n_layers=1,
+               txt_ids_dims=[], vec_in_dim=None)
+    cfg.update(over)
+    return cfg
+
+
+@family("Chroma")
+def chroma(cls, gpu):
+    from comfy.ldm.chroma.model import ChromaParams
+
+    cfg = _fields(ChromaParams, _chroma(gpu))
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"])
+    hw = 32 if gpu else 8
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {}]], init_std=0.1 if gpu else 0.15)
+
+
+@family("ChromaRadiance")
+def chroma_radiance(cls, gpu):
+    """Chroma Radiance: pixel space, 16x16 patches into the Chroma trunk, a small per-pixel NeRF head after it."""
+    from comfy.ldm.chroma_radiance.model import ChromaRadianceParams
+
+    cfg = _chroma(gpu, in_channels=3, out_channels=3, patch_size=16, nerf_hidden_size=32 if gpu else 16,
+                  nerf_mlp_ratio=2, nerf_depth=1, nerf_max_freqs=4, nerf_tile_size=0, nerf_final_head_type="conv",
+                  nerf_embedder_dtype=None, use_x0=False, use_sequential_txt_ids=True)
+    cfg = _fields(ChromaRadianceParams, cfg)
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"])
+    px = 256 if gpu else 64  # 16 x 16 = 256 image tokens on the GPU, 16 on the CPU
+    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=[[ctx, {}]], init_std=0.2)
+
+
+# ---------------------------------------------------------------- HiDream
+
+@family("HiDream")
+def hidream(cls, gpu):
+    """HiDream I1/E1: T5 tokens + one Llama-3 layer per block (``conditioning_llama3``: [B, layers, N, C]), pooled
+    CLIP-L+G, MoE feed-forwards; as E1 runs it, with the source image concatenated along the width."""
+    d, c = (128, 64) if gpu else (32, 32)
+    layers = 2
+    cfg = dict(patch_size=2, in_channels=16, out_channels=16, num_layers=1, num_single_layers=1, attention_head_dim=d,
+               num_attention_heads=2, caption_channels=[c, c], text_emb_dim=32, num_routed_experts=2,
+               num_activated_experts=1, axes_dims_rope=[64, 32, 32] if gpu else [16, 8, 8], max_resolution=[128, 128],
+               llama_layers=list(range(layers)))
+    g = _g()
+    n = 128 if gpu else 6
+    hw = 32 if gpu else 8
+    pos = [[torch.randn(1, n, c, generator=g), {
+        "pooled_output": torch.randn(1, 32, generator=g),
+        "conditioning_llama3": torch.randn(1, layers, n, c, generator=g),
+        "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g)}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="E1-style edit: source latent concatenated along the width (image tokens doubled)")
+
+
+@family("HiDreamO1")
+def hidream_o1(cls, gpu):
+    """HiDream-O1: a Qwen3-VL decoder over prompt tokens + 32x32 RGB patches (GQA), as its edit workflow runs it: one
+    reference image through the Qwen3-VL ViT (tokens spliced into the prompt) and as patches beside the target."""
+    from comfy.text_encoders import hidream_o1 as te
+
+    d = 128 if gpu else 32
+    text = dict(hidden_size=2 * d, intermediate_size=4 * d, num_hidden_layers=2, num_attention_heads=2,
+                num_key_value_heads=1, head_dim=d, rope_dims=[24, 20, 20] if gpu else [6, 5, 5])
+    vision = dict(hidden_size=64 if gpu else 32, num_heads=2, intermediate_size=128 if gpu else 64, depth=1,
+                  deepstack_visual_indexes=())
+    g = _g()
+    words = torch.randint(1000, 150000, (24 if gpu else 6,), generator=g).tolist()
+    ids = ([te.IM_START_ID, te.USER_ID, te.NEWLINE_ID] + words
+           + [te.IM_END_ID, te.NEWLINE_ID, te.IM_START_ID, te.ASSISTANT_ID, te.NEWLINE_ID, te.BOI_TOKEN_ID,
+              te.TMS_TOKEN_ID])
+    ids = torch.tensor([ids], dtype=torch.long)
+    px = 384 if gpu else 64  # 32x32 patches: 144 target tokens on the GPU, 4 on the CPU
+    ref = torch.rand(1, px, px, 3, generator=g)  # an IMAGE, as HiDream-O1 Reference Images attaches it
+    pos = [[ids.unsqueeze(-1).float(), {"text_input_ids": ids, "reference_latents": [ref]}]]
+    outside = ("some: comfy/ldm/hidream_o1/attention.py make_two_pass_attention runs the causal prompt prefix "
+               "(first step; cached after) with comfy.ops.scaled_dot_product_attention directly, and the Qwen3-VL ViT "
+               "(comfy/text_encoders/qwen35.py, reference images) calls optimized_attention_for_device without "
+               "transformer_options")
+    return Case(unet_config={"text_config_overrides": text, "vision_config_overrides": vision}, latent=(1, 3, px, px),
+                positive=pos, outside_hook=outside, init_std=0.2,
+                notes="edit: one reference image (ViT tokens + patches); GQA 2:1 through skip_reshape calls; from the "
+                      "second step the prompt's K/V come from the model's cache, so q is shorter than k")
+
+
+# ---------------------------------------------------------------- Qwen-Image and its relatives
+
+def _qwen(gpu: bool, model_cls, **over) -> dict:
+    cfg = dict(patch_size=2, in_channels=64, out_channels=16, num_layers=1, attention_head_dim=128 if gpu else 32,
+               num_attention_heads=2, joint_attention_dim=64 if gpu else 32, pooled_projection_dim=32,
+               axes_dims_rope=[16, 56, 56] if gpu else [8, 12, 12])
+    cfg.update(over)
+    return _kw(model_cls.__init__, cfg)
+
+
+@family("QwenImage")
+def qwen_image_edit(cls, gpu):
+    """Qwen-Image-Edit 2511 as TextEncodeQwenImageEditPlus feeds it: two reference latents (``index_timestep_zero``:
+    the references get their own zero timestep), the text's padding mask (0.33 reads it; 0.3.64 ignores it)."""
+    from comfy.ldm.qwen_image.model import QwenImageTransformer2DModel
+
+    cfg = _qwen(gpu, QwenImageTransformer2DModel, default_ref_method="index_timestep_zero")
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    refs = [torch.randn(1, 16, 1, hw, hw, generator=g), torch.randn(1, 16, 1, hw // 2, hw, generator=g)]
+    pos = [[torch.randn(1, n, cfg["joint_attention_dim"], generator=g),
+            {"attention_mask": _text_mask(n, n - 3), "reference_latents": refs}]]
+    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="edit 2511: 2 references, index_timestep_zero where the release has it; text padding mask")
+
+
+@family("MageFlow")
+def mage_flow(cls, gpu):
+    """Mage-Flow (Qwen-Image blocks on 128-channel Flux.2 latents, 1x1 patches) as its edit node feeds it: a reference
+    latent at the output size, the text's padding mask."""
+    from comfy.ldm.mage_flow.model import MageFlowTransformer2DModel
+
+    cfg = _qwen(gpu, MageFlowTransformer2DModel, in_channels=128, out_channels=128)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 16 if gpu else 4  # 1x1 patches: 256 / 16 image tokens
+    pos = [[torch.randn(1, n, cfg["joint_attention_dim"], generator=g),
+            {"attention_mask": _text_mask(n, n - 3), "reference_latents": [torch.randn(1, 128, hw, hw, generator=g)]}]]
+    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="edit: one reference latent (its own rope frame index); text padding mask")
+
+
+@family("JoyImage")
+def joyimage_edit(cls, gpu):
+    """JoyImage Edit: MMDiT on Wan 2.1 latents ([1, 2, 2] patches), Qwen3-VL text, one reference latent as
+    TextEncodeJoyImageEdit attaches it. The configuration forces rope [16, 56, 56]: head dim 128 on the CPU too."""
+    cfg = dict(patch_size=[1, 2, 2], in_channels=16, hidden_size=256, num_attention_heads=2, text_dim=64 if gpu else 32,
+               mlp_width_ratio=2.0, num_layers=1)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    pos = [[torch.randn(1, n, cfg["text_dim"], generator=g),
+            {"reference_latents": [torch.randn(1, 16, 1, hw, hw, generator=g)]}]]
+    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06,
+                notes="edit: one reference latent; comfy-kitchen's fused rms_rope on the image stream")
+
+
+# ---------------------------------------------------------------- Lumina 2 and Z-Image (NextDiT)
+
+def _nextdit(gpu: bool, model_cls, *, head: int, **over) -> dict:
+    cfg = dict(patch_size=2, in_channels=16, dim=2 * head, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+               multiple_of=32, ffn_dim_multiplier=2.0, qk_norm=True, cap_feat_dim=64 if gpu else 32)
+    cfg.update(over)
+    return _kw(model_cls.__init__, cfg)
+
+
+@family("Lumina2")
+def lumina2(cls, gpu):
+    """Lumina Image 2.0: Gemma-2 text through a context refiner, GQA (heads repeated before the call), its real head
+    dim 96 on the GPU (2304 / 24 heads)."""
+    from comfy.ldm.lumina.model import NextDiT
+
+    head = 96 if gpu else 32
+    cfg = _nextdit(gpu, NextDiT, head=head, n_kv_heads=1, axes_dims=[32, 32, 32] if gpu else [8, 12, 12],
+                   axes_lens=[300, 512, 512], rope_theta=10000.0)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.15)
+
+
+@family("ZImage")
+def zimage_omni(cls, gpu):
+    """Z-Image (Omni) as TextEncodeZImageOmni feeds it: a reference latent, its SigLIP features and the template's
+    extra text, each refined and joined before the main layers; the references on timestep zero. Tokens padded to
+    multiples of 32. Z-Image's modulation needs a width >= 256 (its adaLN is 256 wide): head dim 128 on the CPU too
+    (the configuration's ``dim`` 3840 is replaced by 256)."""
+    import types
+
+    from comfy.ldm.lumina.model import NextDiT
+
+    sig = 64 if gpu else 32
+    cfg = _nextdit(gpu, NextDiT, head=128, axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
+                   ffn_dim_multiplier=1.0, z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32,
+                   siglip_feat_dim=sig)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    px = 16 * (16 if gpu else 4)  # SigLIP: 16-pixel patches
+    vision = types.SimpleNamespace(image_sizes=[(1, px, px)],
+                                   last_hidden_state=torch.randn(1, (px // 16) ** 2, sig, generator=g))
+    extra_text = [torch.randn(1, 4, cfg["cap_feat_dim"], generator=g) for _ in range(2)]
+    ctx = torch.randn(1, n, cfg["cap_feat_dim"], generator=g)
+    pos = [[ctx, {"reference_latents": [torch.randn(1, 16, hw, hw, generator=g)], "clip_vision_outputs": [vision],
+                  "reference_latents_text_embeds": extra_text}]]
+    # the negative prompt is encoded without the images (ComfyUI's own model code cannot batch the two: the extra
+    # text embeds are laid out for batch 1)
+    neg = [[torch.zeros_like(ctx), {}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=0.06 if gpu else 0.1,
+                notes="omni edit: reference latent + SigLIP tokens + template text; pad_tokens_multiple 32")
+
+
+@family("ZImagePixelSpace")
+def zimage_pixel(cls, gpu):
+    """Z-Image in pixel space: 16x16 RGB patches into the NextDiT trunk, a per-patch MLP decoder after it (width 256,
+    head dim 128, as for Z-Image)."""
+    from comfy.ldm.lumina.model import NextDiTPixelSpace
+
+    cfg = dict(patch_size=16, in_channels=3, dim=256, n_layers=1, n_refiner_layers=1, n_heads=2, n_kv_heads=2,
+               multiple_of=32, ffn_dim_multiplier=1.0, qk_norm=True, cap_feat_dim=64 if gpu else 32,
+               axes_dims=[32, 48, 48], axes_lens=[1536, 512, 512], rope_theta=256.0,
+               z_image_modulation=True, time_scale=1000.0, pad_tokens_multiple=32, decoder_hidden_size=64 if gpu else 32,
+               decoder_num_res_blocks=1, decoder_max_freqs=4)
+    del NextDiTPixelSpace  # its __init__ forwards **kwargs to NextDiT: every key above is NextDiT's or the decoder's
+    g = _g()
+    n = 128 if gpu else 8
+    px = 16 * (16 if gpu else 4)
+    pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {}]]
+    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.2)
