@@ -37,6 +37,9 @@ class Case:
     # "" (none), "some: <why>" (e.g. a text refiner), "all: <why>" (the model's attention never reaches it).
     outside_hook: str = ""
     patch: Callable | None = None  # (ModelPatcher) -> ModelPatcher before sampling: a ControlNet, a LoRA, ...
+    # Sizes a configuration's ``unet_extra_config`` forces over ``unet_config`` (Ideogram 4's 18 heads of 256):
+    # replaced after the configuration's own __init__, so the tiny model keeps its class and code.
+    unet_extra_config: dict = field(default_factory=dict)
     init_std: float = 0.05  # random weights ~ N(0, init_std)
     seed: int = 0
     notes: str = ""
@@ -78,6 +81,7 @@ def build(cls: type, case: Case, dtype=torch.float32, device="cpu"):
 
     cfg = {**getattr(cls, "unet_config", {}), **case.unet_config}
     mc = cls(cfg)
+    mc.unet_config.update(case.unet_extra_config)
     mc.set_inference_dtype(dtype, None)
     model = mc.get_model({}, device=device)
     g = torch.Generator().manual_seed(case.seed)
