@@ -160,7 +160,9 @@ def chroma(cls, gpu):
     cfg = _fields(ChromaParams, _chroma(gpu))
     ctx, g = _flux_text(gpu, cfg["context_in_dim"])
     hw = 32 if gpu else 8
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {}]], init_std=0.1 if gpu else 0.15)
+    # CLIPTextEncode always sets pooled_output (None for T5 alone); 0.3.64's model_base reads the key
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {"pooled_output": None}]],
+                init_std=0.1 if gpu else 0.15)
 
 
 @family("ChromaRadiance")
@@ -174,7 +176,7 @@ def chroma_radiance(cls, gpu):
     cfg = _fields(ChromaRadianceParams, cfg)
     ctx, g = _flux_text(gpu, cfg["context_in_dim"])
     px = 256 if gpu else 64  # 16 x 16 = 256 image tokens on the GPU, 16 on the CPU
-    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=[[ctx, {}]], init_std=0.2)
+    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=[[ctx, {"pooled_output": None}]], init_std=0.2)
 
 
 # ---------------------------------------------------------------- HiDream
@@ -309,7 +311,8 @@ def lumina2(cls, gpu):
     g = _g()
     n = 128 if gpu else 8
     hw = 32 if gpu else 8
-    pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {}]]
+    # Gemma's mask is all ones (no padding): model_base turns it into num_tokens (0.3.64 needs it)
+    pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {"attention_mask": _text_mask(n, n)}]]
     return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.15)
 
 
@@ -361,3 +364,242 @@ def zimage_pixel(cls, gpu):
     px = 16 * (16 if gpu else 4)
     pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {}]]
     return Case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.2)
+
+
+# ---------------------------------------------------------------- PixelDiT and PiD (pixel space)
+
+def _pixeldit(gpu: bool) -> dict:
+    # real: 24 groups of 64 on the patch stream, 16 heads of 72 on the compressed pixel stream
+    return dict(in_channels=3, num_groups=2, hidden_size=128 if gpu else 64, pixel_hidden_size=8,
+                pixel_attn_hidden_size=144 if gpu else 64, pixel_num_groups=2, patch_depth=1, pixel_depth=1,
+                patch_size=16, txt_embed_dim=64 if gpu else 32, txt_max_length=300 if gpu else 16)
+
+
+@family("PixelDiTT2I")
+def pixeldit(cls, gpu):
+    """PixelDiT: joint text + patch attention (head dim 64), then attention over each patch's compressed pixels (head
+    dim 72 on the GPU); 16-pixel patches."""
+    cfg = _pixeldit(gpu)
+    g = _g()
+    n = 128 if gpu else 8
+    px = 16 * (16 if gpu else 4)
+    pos = [[torch.randn(1, n, cfg["txt_embed_dim"], generator=g), {"attention_mask": _text_mask(n, n - 2)}]]
+    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.1,
+                notes="the text mask reaches model_base and is dropped by the model (its blocks pass mask=None)")
+
+
+@family("PiD")
+def pid(cls, gpu):
+    """PiD: PixelDiT decoding / upscaling a Flux-format latent (PiDConditioning: ``lq_latent`` + ``degrade_sigma``),
+    sigma-gated injections before the blocks."""
+    cfg = dict(_pixeldit(gpu), lq_latent_channels=16, lq_hidden_dim=32, lq_num_res_blocks=1, lq_interval=1,
+               sr_scale=4, latent_spatial_down_factor=8)
+    g = _g()
+    n = 128 if gpu else 8
+    grid = 16 if gpu else 4  # patch grid; the LQ latent is at 1/32 of the pixels: grid / 2
+    pos = [[torch.randn(1, n, cfg["txt_embed_dim"], generator=g),
+            {"lq_latent": torch.randn(1, 16, grid // 2, grid // 2, generator=g), "degrade_sigma": torch.tensor([0.1])}]]
+    return Case(unet_config=cfg, latent=(1, 3, 16 * grid, 16 * grid), positive=pos, init_std=0.1,
+                notes="4x upscale of a 16-channel latent")
+
+
+# ---------------------------------------------------------------- OmniGen 2 and Boogu
+
+def _omnigen(gpu: bool, model_cls, heads: int, **over) -> dict:
+    # real: head dim 120 (OmniGen 2: 21 heads over 7 kv heads; Boogu: 28 over 7); GQA through enable_gqa on 0.33
+    head = 120 if gpu else 32
+    cfg = dict(patch_size=2, in_channels=16, hidden_size=heads * head, num_layers=1, num_refiner_layers=1,
+               num_attention_heads=heads, num_kv_heads=1, multiple_of=32, norm_eps=1e-5,
+               axes_dim_rope=[40, 40, 40] if gpu else [8, 12, 12], axes_lens=[1024, 1664, 1664], timestep_scale=1000.0)
+    cfg.update(over)
+    return _kw(model_cls.__init__, cfg)
+
+
+def _omnigen_case(cfg, feat: str, gpu: bool, **kw):
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    # the text encoder's mask is all ones (no padding): model_base turns it into ``num_tokens`` only
+    pos = [[torch.randn(1, n, cfg[feat], generator=g), {"attention_mask": _text_mask(n, n),
+                                                        "reference_latents": [torch.randn(1, 16, hw, hw, generator=g)]}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, **kw)
+
+
+@family("Omnigen2")
+def omnigen2_edit(cls, gpu):
+    """OmniGen 2 editing (a ReferenceLatent): text and image refiners, then joint layers; GQA 3:1 on the GPU (2:1 on
+    the CPU). Its Qwen2.5-VL text is never padded: model_base reads the all-ones mask as a token count only."""
+    from comfy.ldm.omnigen.omnigen2 import OmniGen2Transformer2DModel
+
+    cfg = _omnigen(gpu, OmniGen2Transformer2DModel, 3 if gpu else 2, text_feat_dim=64 if gpu else 32)
+    return _omnigen_case(cfg, "text_feat_dim", gpu, init_std=0.06 if gpu else 0.1, notes="edit: one reference latent")
+
+
+@family("Boogu")
+def boogu_edit(cls, gpu):
+    """Boogu-Image (OmniGen 2 with a dual-stream instruction stage before the joint layers), editing one reference."""
+    from comfy.ldm.boogu.model import BooguTransformer2DModel
+
+    cfg = _omnigen(gpu, BooguTransformer2DModel, 4 if gpu else 2, num_double_stream_layers=1,
+                   axes_lens=[2048, 1664, 1664], instruction_feat_dim=64 if gpu else 32)
+    return _omnigen_case(cfg, "instruction_feat_dim", gpu, init_std=0.06 if gpu else 0.1,
+                         notes="edit: one reference latent; GQA 4:1 on the GPU")
+
+
+@family("Krea2")
+def krea2(cls, gpu):
+    """Krea 2: a single-stream DiT over [text; image]; its text is a stack of Qwen3-VL layers fused by attention per
+    layer (batch x layers sequences), then across; GQA repeated before the calls (real: 48 heads over 12)."""
+    if gpu:
+        cfg = dict(features=256, heads=2, kvheads=1, txtdim=256, txtheads=2, txtkvheads=1, txtlayers=3)
+    else:
+        cfg = dict(features=64, heads=2, kvheads=1, txtdim=32, txtheads=2, txtkvheads=1, txtlayers=3)
+    cfg.update(tdim=64, multiplier=2, layers=1, patch=2, channels=16)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    pos = [[torch.randn(1, n, cfg["txtlayers"] * cfg["txtdim"], generator=g), {}]]
+    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1)
+
+
+@family("Lens")
+def lens(cls, gpu):
+    """Microsoft Lens: dual-stream MMDiT on 128-channel Flux.2 latents, GPT-OSS text from several layers (concatenated
+    per token), an additive joint mask built from the text mask on every call (float32 min: -inf once cast to bf16)."""
+    L = 4 if gpu else 2
+    cfg = dict(patch_size=2, in_channels=128, out_channels=32, num_layers=1, attention_head_dim=64 if gpu else 32,
+               num_attention_heads=2, enc_hidden_dim=64 if gpu else 32, axes_dims_rope=[8, 28, 28] if gpu else [8, 12, 12],
+               multi_layer_encoder_feature=True, selected_layer_index=tuple(range(L)))
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 16 if gpu else 4  # 1 token per latent pixel: 256 / 16 image tokens
+    pos = [[torch.randn(1, n, L * cfg["enc_hidden_dim"], generator=g), {"attention_mask": _text_mask(n, n - 3)}]]
+    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="text padding mask -> additive joint mask [B, 1, 1, Nimg+Ntxt]")
+
+
+@family("Kandinsky5Image")
+def kandinsky5_image(cls, gpu):
+    """Kandinsky 5 Image Lite: text self-attention blocks, then visual blocks with self-attention over all patches and
+    cross-attention to the text; CLIP pooled vector (required). The text mask reaches model_base and the model ignores
+    it. The configuration's ``model_dim`` 2560 is replaced by the tiny width (head dim 128 on the GPU, as real)."""
+    cfg = dict(in_visual_dim=16, out_visual_dim=16, in_text_dim=64 if gpu else 32, in_text_dim2=32, time_dim=64,
+               model_dim=256 if gpu else 64, ff_dim=256 if gpu else 128, visual_embed_dim=64, patch_size=(1, 2, 2),
+               num_text_blocks=1, num_visual_blocks=1, axes_dims=(32, 48, 48) if gpu else (8, 12, 12),
+               rope_scale_factor=(1.0, 1.0, 1.0))
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    pos = [[torch.randn(1, n, cfg["in_text_dim"], generator=g),
+            {"pooled_output": torch.randn(1, 32, generator=g), "attention_mask": _text_mask(n, n - 2)}]]
+    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1)
+
+
+@family("Anima")
+def anima(cls, gpu):
+    """Anima: a Cosmos Predict2 DiT whose text is Qwen3-0.6B hidden states turned into T5-like embeddings by an LLM
+    adapter over the prompt's T5 ids (a fixed 1024-wide, 6-block transformer ComfyUI builds whatever the tiny sizes),
+    padded to 512 cross-attention tokens."""
+    cfg = dict(max_img_h=240, max_img_w=240, max_frames=128, in_channels=16, out_channels=16, patch_spatial=2,
+               patch_temporal=1, concat_padding_mask=True, model_channels=256 if gpu else 64, num_blocks=1, num_heads=2,
+               mlp_ratio=2.0, crossattn_emb_channels=1024, pos_emb_cls="rope3d", pos_emb_learnable=True,
+               pos_emb_interpolation="crop", min_fps=1, max_fps=30, use_adaln_lora=True, adaln_lora_dim=32,
+               rope_h_extrapolation_ratio=4.0, rope_w_extrapolation_ratio=4.0, rope_t_extrapolation_ratio=1.0,
+               extra_per_block_abs_pos_emb=False, rope_enable_fps_modulation=False)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 32 if gpu else 8
+    ids = torch.randint(0, 32128, (n + 3,), generator=g)
+    pos = [[torch.randn(1, n, 1024, generator=g), {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(n + 3)}]]
+    outside = ("some: the LLM adapter (comfy/ldm/anima/model.py Attention.forward) calls "
+               "torch.nn.functional.scaled_dot_product_attention directly")
+    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, outside_hook=outside,
+                init_std=0.06 if gpu else 0.1, notes="cross-attention keys: 512 (the adapter's output, padded)")
+
+
+@family("ErnieImage")
+def ernie_image(cls, gpu):
+    """ERNIE-Image: one stream over [image; text] on 128-channel Flux.2 latents (head dim 128 real)."""
+    cfg = dict(hidden_size=256 if gpu else 64, num_attention_heads=2, num_layers=1, ffn_hidden_size=256 if gpu else 128,
+               in_channels=128, out_channels=128, patch_size=1, text_in_dim=64 if gpu else 32,
+               rope_axes_dim=(32, 48, 48) if gpu else (8, 12, 12))
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 16 if gpu else 4
+    pos = [[torch.randn(1, n, cfg["text_in_dim"], generator=g), {}]]
+    outside = ("all: comfy/ldm/ernie/model.py ErnieImageAttention.forward calls optimized_attention without "
+               "transformer_options")
+    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, outside_hook=outside,
+                init_std=0.06 if gpu else 0.1)
+
+
+# ---------------------------------------------------------------- HunyuanImage 2.1 (HunyuanVideo's model, 2-D)
+
+def _hy(gpu: bool, **over) -> dict:
+    from comfy.ldm.hunyuan_video.model import HunyuanVideoParams
+
+    cfg = dict(in_channels=64, out_channels=64, vec_in_dim=None, context_in_dim=64 if gpu else 32,
+               hidden_size=256 if gpu else 64, mlp_ratio=2.0, num_heads=2, depth=1, depth_single_blocks=1,
+               axes_dim=[64, 64] if gpu else [16, 16], theta=256, patch_size=[1, 1], qkv_bias=True,
+               guidance_embed=True, byt5=True, meanflow=True, use_cond_type_embedding=False, vision_in_dim=None,
+               meanflow_sum=False)
+    cfg.update(over)
+    return _fields(HunyuanVideoParams, cfg)
+
+
+@family("HunyuanImage21")
+def hunyuan_image21(cls, gpu):
+    """HunyuanImage 2.1 (distilled: meanflow time_r, guidance): a token refiner over the Qwen2.5-VL text, ByT5 glyph
+    tokens (a quoted text in the prompt) after it. No text mask: the encoder drops an all-ones mask, and ComfyUI's
+    model code cannot take a padding mask together with ByT5 tokens (the mask covers the Qwen tokens only)."""
+    cfg = _hy(gpu)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 16 if gpu else 4  # 32x-compressed latent, 1x1 patches
+    pos = [[torch.randn(1, n, cfg["context_in_dim"], generator=g),
+            {"conditioning_byt5small": torch.randn(1, 6, 1472, generator=g), "guidance": 3.5}]]
+    return Case(unet_config=cfg, latent=(1, 64, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="ByT5 glyph tokens, meanflow")
+
+
+@family("HunyuanImage21Refiner")
+def hunyuan_image21_refiner(cls, gpu):
+    """HunyuanImage 2.1's refiner as Hunyuan Latent Refiner feeds it: the base image's latent as
+    ``concat_latent_image``, concatenated to the 64-channel latent; 1x1x1 patches, time_r disabled by model_base."""
+    import comfy.latent_formats
+
+    cfg = _hy(gpu, in_channels=128, patch_size=[1, 1, 1], axes_dim=[16, 56, 56] if gpu else [8, 12, 12], byt5=False,
+              meanflow=False)
+    # 0.33's refiner latent format packs the 32-channel VAE latent (two frames' channels into one); 0.3.64 takes a
+    # 64-channel latent as it is
+    packs = "process_in" in vars(comfy.latent_formats.HunyuanImage21Refiner)
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 16 if gpu else 4
+    pos = [[torch.randn(1, n, cfg["context_in_dim"], generator=g),
+            # noise augmentation draws from the sampler's seed, which ComfyUI's cond encoding lets a cond key replace
+            {"concat_latent_image": torch.randn(1, 32 if packs else 64, 1, hw, hw, generator=g), "noise_augmentation": 0.1,
+             "seed": 10,
+             "guidance": 3.5}]]
+    return Case(unet_config=cfg, latent=(1, 64, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="refining a base latent (concat_latent_image, noise augmentation 0.1)")
+
+
+@family("Ideogram4")
+def ideogram4(cls, gpu):
+    """Ideogram 4: one stream over [text; image] with Qwen3-VL interleaved MRoPE; the text's padding becomes a
+    block-diagonal boolean segment mask turned additive (-max) for every layer. The configuration forces its real sizes
+    (18 heads of 256, a 53248-wide text input) through unet_extra_config: replaced here (head dim 256 on the GPU)."""
+    if gpu:
+        extra = dict(num_attention_heads=2, attention_head_dim=256, intermediate_size=512, adaln_dim=64,
+                     llm_features_dim=128, mrope_section=[24, 20, 20])
+    else:
+        extra = dict(num_attention_heads=2, attention_head_dim=32, intermediate_size=128, adaln_dim=32,
+                     llm_features_dim=32, mrope_section=[6, 5, 5])
+    g = _g()
+    n = 128 if gpu else 8
+    hw = 16 if gpu else 4  # 128-channel Flux.2 latent: one token per latent pixel
+    pos = [[torch.randn(1, n, extra["llm_features_dim"], generator=g), {"attention_mask": _text_mask(n, n - 3)}]]
+    return Case(unet_config={"in_channels": 128, "num_layers": 1}, unet_extra_config=extra, latent=(1, 128, hw, hw),
+                positive=pos, init_std=0.06 if gpu else 0.1,
+                notes="text padding -> block-diagonal segment mask [B, 1, L, L] (additive -finfo.max)")
