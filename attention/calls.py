@@ -21,7 +21,11 @@ REFERENCE = "sdpa"
 # ---------------------------------------------------------------- ComfyUI's convention
 
 def validate(q, k, v, heads, mask, skip_reshape, enable_gqa=False):
-    """A clear ValueError for a call no attention function can take (a tensor, shape or device that does not fit)."""
+    """A clear ValueError for a call no attention function can take (a tensor, shape or device that does not fit).
+
+    With ``skip_reshape=False`` q is ``[B, N, H*D]``; K and V may also have more dims (SD3's MMDiT hands a
+    ``[B, N, H, D]`` V beside 3-D q and k): ComfyUI's functions read them as ``reshape(B, -1, heads, D)``, and so does
+    the pack (:func:`comfy_kv`)."""
     if not (isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor) and isinstance(v, torch.Tensor)):
         raise ValueError("q, k and v must be tensors")
     if q.device != k.device or q.device != v.device:
@@ -30,11 +34,17 @@ def validate(q, k, v, heads, mask, skip_reshape, enable_gqa=False):
         raise ValueError(f"q, k, v have different dtypes: {q.dtype}, {k.dtype}, {v.dtype}")
     if not q.is_floating_point():
         raise ValueError(f"q, k, v must be floating point, got {q.dtype}")
-    want = 4 if skip_reshape else 3
-    layout = "[B, H, N, D]" if skip_reshape else "[B, N, H*D]"
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        if t.ndim != want:
-            raise ValueError(f"{name} must be {layout} ({want}-D) with skip_reshape={skip_reshape}, got shape {tuple(t.shape)}")
+    if skip_reshape:
+        for name, t in (("q", q), ("k", k), ("v", v)):
+            if t.ndim != 4:
+                raise ValueError(f"{name} must be [B, H, N, D] (4-D) with skip_reshape=True, got shape {tuple(t.shape)}")
+    else:
+        if q.ndim != 3:
+            raise ValueError(f"q must be [B, N, H*D] (3-D) with skip_reshape=False, got shape {tuple(q.shape)}")
+        for name, t in (("k", k), ("v", v)):
+            if t.ndim < 3:
+                raise ValueError(f"{name} must be [B, N, H*D] (3-D) or [B, N, H, D] with skip_reshape=False, "
+                                 f"got shape {tuple(t.shape)}")
     if not isinstance(heads, int) or isinstance(heads, bool) or heads <= 0:
         raise ValueError(f"heads must be a positive int, got {heads!r}")
     if q.shape[0] != k.shape[0] or q.shape[0] != v.shape[0]:
@@ -52,6 +62,17 @@ def validate(q, k, v, heads, mask, skip_reshape, enable_gqa=False):
         if q.shape[-1] % heads:
             raise ValueError(f"q width {q.shape[-1]} is not divisible by heads={heads}")
         d = q.shape[-1] // heads
+        if k.ndim != 3 or v.ndim != 3:
+            for name, t in (("k", k), ("v", v)):
+                if t.ndim == 3:
+                    continue
+                if enable_gqa and t.shape[-1] % d:
+                    raise ValueError(f"{name} of shape {tuple(t.shape)}: with enable_gqa its last dim must be a "
+                                     f"multiple of q's head dim {d}")
+                if t.numel() % (t.shape[0] * kv_width(t, q.shape[-1], enable_gqa)):
+                    raise ValueError(f"{name} of shape {tuple(t.shape)} does not reshape to [B, -1, heads, {d}] "
+                                     f"(heads={heads})")
+            k, v = comfy_kv(q, k, v, heads, enable_gqa)
         if q.shape[-1] != k.shape[-1]:
             if not enable_gqa:
                 raise ValueError(f"q width {q.shape[-1]} != k width {k.shape[-1]} (pass enable_gqa=True for fewer key heads)")
@@ -72,6 +93,25 @@ def validate(q, k, v, heads, mask, skip_reshape, enable_gqa=False):
             raise ValueError(f"mask on {mask.device}, q on {q.device}")
 
 
+def kv_width(t, q_width, enable_gqa):
+    """The width ComfyUI's functions give K or V of a ``[B, N, H*D]`` call: q's (``heads * dim_head``), or under
+    ``enable_gqa`` its own last dim (``key_heads = t.shape[-1] // dim_head`` of ``dim_head``)."""
+    return t.shape[-1] if enable_gqa else q_width
+
+
+def comfy_kv(q, k, v, heads, enable_gqa=False):
+    """K and V of a ``[B, N, H*D]`` call as ``[B, N, W]``: 3-D ones as they are; others read as ComfyUI's own
+    functions read every K and V, ``t.reshape(B, -1, heads, dim_head)`` (SD3's ``[B, N, H, D]`` V: a free view)."""
+    if k.ndim == 3 and v.ndim == 3:
+        return k, v
+    b, w = q.shape[0], q.shape[-1]
+    if k.ndim != 3:
+        k = k.reshape(b, -1, kv_width(k, w, enable_gqa))
+    if v.ndim != 3:
+        v = v.reshape(b, -1, kv_width(v, w, enable_gqa))
+    return k, v
+
+
 def mask_4d(mask):
     """ComfyUI's rule: a 2-D mask gets a batch dim, a 3-D one a heads dim."""
     if mask is not None and mask.ndim == 2:
@@ -81,11 +121,14 @@ def mask_4d(mask):
     return mask
 
 
-def qkv_4d(q, k, v, heads, skip_reshape):
+def qkv_4d(q, k, v, heads, skip_reshape, enable_gqa=False):
     """ComfyUI's q/k/v as 4-D views and their layout: ``[B, H, N, D]`` as is, ``[B, N, H*D]`` as ``[B, N, H, D]``
-    (K and V with ``k width / D`` heads: fewer than Q's under ``enable_gqa``)."""
+    (K and V with ``k width / D`` heads: fewer than Q's under ``enable_gqa``; K or V of more dims read as ComfyUI
+    reads them, :func:`comfy_kv`)."""
     if skip_reshape:
         return q, k, v, "HND"
+    if k.ndim != 3 or v.ndim != 3:
+        k, v = comfy_kv(q, k, v, heads, enable_gqa)
     d = q.shape[-1] // heads
     kh = k.shape[-1] // d
     return q.unflatten(-1, (heads, d)), k.unflatten(-1, (kh, d)), v.unflatten(-1, (kh, -1)), "NHD"
@@ -131,7 +174,7 @@ def make_spec(q4, k4, v4, layout, mask) -> CallSpec:
 def prepare(q, k, v, heads, mask=None, skip_reshape=False, scale=None, enable_gqa=False):
     """Validate a ComfyUI-convention call; returns 4-D q/k/v views, their layout, the spec, the 4-D mask, the scale."""
     validate(q, k, v, heads, mask, skip_reshape, enable_gqa)
-    q4, k4, v4, layout = qkv_4d(q, k, v, heads, skip_reshape)
+    q4, k4, v4, layout = qkv_4d(q, k, v, heads, skip_reshape, enable_gqa)
     spec = make_spec(q4, k4, v4, layout, mask)
     mask4 = norm_mask(mask, spec.batch, spec.heads, spec.q_len, spec.kv_len)
     return q4, k4, v4, layout, spec, mask4, (spec.head_dim ** -0.5 if scale is None else scale)

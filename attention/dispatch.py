@@ -171,7 +171,7 @@ def attention(
                None if mask is None else (mask.shape, mask.dtype, mask.device), k_smoothed, enable_gqa, cfg.sparse_ok)
         hit = cfg._fast.get(key)
         if hit is not None:
-            out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape)
+            out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape, enable_gqa)
             if out is not None:
                 return finish(out, hit[3], hit[2], skip_output_reshape)
             cfg._fast.pop(key, None)  # it raised: the full path below handles and counts it
@@ -256,10 +256,10 @@ def _check(cfg, backend, out, spec, check_key):
         raise NonFiniteOutput(f"{backend.name} returned non-finite values (NaN/inf) for {spec.short()}")
 
 
-def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape):
+def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape, enable_gqa=False):
     """A call shaped exactly like an earlier one: same plan, no validation or planning.  None if it raised."""
     backend, target, spec, layout, fallback, opts = hit
-    q4, k4, v4, _ = qkv_4d(q, k, v, heads, skip_reshape)
+    q4, k4, v4, _ = qkv_4d(q, k, v, heads, skip_reshape, enable_gqa)
     try:
         out, _ = run_backend(backend, q4, k4, v4, layout, mask_4d(mask), spec, target, spec.head_dim ** -0.5, opts,
                              skip_output_reshape)

@@ -26,6 +26,8 @@ import weakref
 
 import torch
 
+from .calls import comfy_kv
+
 # The op and its handles are one per process, whichever copy of this module registered the op first: a pack can be
 # imported twice in one process (ComfyUI's loader and a test suite's), and the op's implementation must find the
 # handlers every copy registers, without two copies handing out the same handle.
@@ -83,7 +85,11 @@ if attention_op is None:
 def traced_call(q, k, v, mask, heads, skip_reshape, skip_output_reshape, handle, precise, smooth_k, scale=None,
                 enable_gqa=False):
     """The attention call in a compiled graph: ``smooth_k`` (a ``Backend.smooth_k`` backend, no mask, no precision
-    request) subtracts K's mean over the sequence here, then the op, then the reshape ComfyUI's convention asks for."""
+    request) subtracts K's mean over the sequence here, then the op, then the reshape ComfyUI's convention asks for.
+    A K or V of more than 3 dims beside a ``[B, N, H*D]`` q (SD3's ``[B, N, H, D]`` V) is read as ComfyUI reads it, a
+    reshape in the graph, so the op only ever sees ``[B, N, W]``."""
+    if not skip_reshape and (k.ndim != 3 or v.ndim != 3):
+        k, v = comfy_kv(q, k, v, heads, enable_gqa)
     if smooth_k:
         k = k - k.mean(dim=2 if skip_reshape else 1, keepdim=True)
     out = attention_op(q, k, v, mask, heads, skip_reshape, handle, precise, smooth_k, scale, enable_gqa)

@@ -16,6 +16,7 @@ class Stats:
     errors: Counter = field(default_factory=Counter)  # (backend, error) -> n
     metrics: dict = field(default_factory=lambda: defaultdict(list))  # (backend, name) -> values
     decisions: dict = field(default_factory=dict)  # auto: signature -> text
+    unreached: Counter = field(default_factory=Counter)  # (model, why) -> model forwards no attention call reached
     _cpu_time: Counter = field(default_factory=Counter)
     _events: dict = field(default_factory=lambda: defaultdict(list))
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
@@ -28,6 +29,10 @@ class Stats:
 
     def count_error(self, backend: str, error: str) -> None:
         self.errors[(backend, error)] += 1
+
+    def count_unreached(self, model: str, why: str) -> None:
+        """A model forward in which no attention call reached the override (the model's attention bypasses it)."""
+        self.unreached[(model, why)] += 1
 
     def add_metrics(self, backend: str, values: dict) -> None:
         for k, v in values.items():
@@ -72,6 +77,7 @@ class Stats:
             out.calls.update(p.calls)
             out.fallbacks.update(p.fallbacks)
             out.errors.update(p.errors)
+            out.unreached.update(p.unreached)
             for key, vals in p.metrics.items():
                 out.metrics[key].extend(vals)
             out.decisions.update(p.decisions)
@@ -82,6 +88,7 @@ class Stats:
         self.calls.clear()
         self.fallbacks.clear()
         self.errors.clear()
+        self.unreached.clear()
         self.metrics.clear()
         self._cpu_time.clear()  # decisions stay: they describe what `auto` chose, which still holds
 
@@ -94,6 +101,7 @@ class Stats:
                 {"from": f, "to": t, "reason": r, "count": n} for (f, t, r), n in self.fallbacks.items()
             ],
             "errors": [{"backend": b, "error": e, "count": n} for (b, e), n in self.errors.items()],
+            "unreached": [{"model": m, "why": w, "forwards": n} for (m, w), n in self.unreached.items()],
             "metrics": {
                 f"{b}.{k}": {"mean": sum(v) / len(v), "n": len(v)} for (b, k), v in self.metrics.items() if v
             },
@@ -112,6 +120,8 @@ class Stats:
             lines.append("fallbacks:")
             for f in d["fallbacks"]:
                 lines.append(f"  {f['from']} -> {f['to']}: {f['reason']} ({f['count']}x)")
+        for u in d["unreached"]:
+            lines.append(f"not reached: {u['model']}: {u['why']} ({u['forwards']} model forwards)")
         for key, m in d["metrics"].items():
             lines.append(f"  {key}: mean {m['mean']:.4f} over {m['n']} calls")
         for sig, why in d["auto"].items():

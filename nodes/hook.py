@@ -69,7 +69,10 @@ def is_host_exact(func) -> bool:
 
 
 def same_heads(q, k) -> bool:
-    """A call with as many key heads as query heads (grouped-query calls stay with the dispatcher)."""
+    """A call with as many key heads as query heads (grouped-query calls stay with the dispatcher: ComfyUI's functions
+    before 0.33 take none). A ``[B, N, H, D]`` K beside a ``[B, N, H*D]`` q has as many (ComfyUI reshapes it)."""
+    if q.ndim == 3 and k.ndim == 4:
+        return q.shape[-1] == k.shape[-2] * k.shape[-1]
     return q.shape[-1] == k.shape[-1] and (q.ndim == 3 or q.shape[1] == k.shape[1])
 
 

@@ -10,7 +10,10 @@ every device: a layer found on one GPU is dense on the others from their next fo
 again.  A run on exact kernels only is never checked: nothing there can put NaN where the unpatched model had none.
 
 The wrapper also starts each forward of its sampling thread's lane: the layer counter back to 0, the step schedule and
-``auto``'s re-check phase read once per forward rather than per attention call.  It wraps ComfyUI's torch.compile
+``auto``'s re-check phase read once per forward rather than per attention call. After the forward, the layer counter
+says how many attention calls reached the override: none means the model's attention bypasses the hook (it calls
+ComfyUI's attention without ``transformer_options``), which is counted and said once per run
+(:meth:`~.override.AttentionOverride.unreached`).  It wraps ComfyUI's torch.compile
 wrapper from outside, so it runs eagerly in compiled models too.
 """
 
@@ -86,6 +89,9 @@ class ForwardWrapper(BoundWrapper):
                 ln.layer = 0
                 out = executor(*args, **kwargs)
                 cfg.take_nonfinite()
+            if ln.layer == 0 and not ov.traced_host and ov.replaced_by is None:
+                # no attention call of this forward reached the override, though it is on the hook
+                ov.unreached(ln, getattr(executor, "class_obj", None))
             ov.note_choices(ln)
             ln.first_forward = False
         finally:

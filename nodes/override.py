@@ -127,6 +127,10 @@ class AttentionOverride:
         self.lean_ok = (not self.passthrough and layer_options is None and not self.dense_layers and not log_stats
                         and not config.record_time)
         self.replaced_by = None  # the override found on the hook instead of this one at the start of a run
+        # `sdpa` in a compiled model runs ComfyUI's function inside the graph, where no call is counted: set where
+        # that branch is traced, so a forward with no counted call is not taken for a model the hook cannot reach
+        self.traced_host = False
+        self.unreached_said = False  # the model's attention bypasses the hook: said in this run
         self._lanes: list[Lane] = []
         self._lock = threading.Lock()
         self._tls = threading.local()
@@ -196,6 +200,7 @@ class AttentionOverride:
             self.check_sigmas = {steps[len(steps) // 2]: "mid", steps[-1]: "last"}
         with self._lock:
             self.nonfinite_layers = set()
+            self.unreached_said = False
             lanes = list(self._lanes)
         for ln in lanes:
             ln.start_run()
@@ -205,6 +210,17 @@ class AttentionOverride:
     def end_run(self) -> None:
         if self.log_stats:
             log.info("Patch Attention (%s): %s", self.config.backend, self.stats.summary())
+
+    def unreached(self, ln: Lane, base_model) -> None:
+        """A forward of ``ln`` in which no attention call reached this override: counted in the lane's statistics
+        (``log_stats`` reports it), and said once per run."""
+        name, why = unreached_reason(base_model)
+        ln.config.stats.count_unreached(name, why)
+        with self._lock:
+            said, self.unreached_said = self.unreached_said, True
+        if not said:
+            log.warning("Patch Attention (%s) cannot reach the attention of %s: %s; this model runs ComfyUI's own "
+                        "attention, unpatched (counted in stats)", self.config.backend, name, why)
 
     def mark_nonfinite(self, bad, ln: Lane) -> None:
         """Layers whose kernel returned NaN/inf in a forward of ``ln``: dense for the rest of the run, on every lane."""
@@ -291,6 +307,7 @@ class AttentionOverride:
             # `sdpa` in a compiled model: ComfyUI's own SDPA function traced into the graph, as in the unpatched model
             # (inductor compiles its SDPA call); nothing of the override's state is read or counted in traced code.
             # Only attention_pytorch: ComfyUI's split/sub-quadratic functions query free memory (graph breaks).
+            self.traced_host = True  # the calls reach the hook, uncounted (not a model that bypasses it)
             return func(*args, **kwargs)
         if compiling:
             a, rest = bind(args, kwargs)
@@ -421,6 +438,18 @@ class AttentionOverride:
     def layer_calls(ln, layer: int) -> int:
         ln.layer_calls[layer] = ln.layer_calls.get(layer, 0) + 1
         return ln.layer_calls[layer] - 1
+
+
+UNREACHED_WHY = ("its attention calls do not pass transformer_options, so no attention override can reach them")
+
+
+def unreached_reason(base_model) -> tuple[str, str]:
+    """(the model's name, why no attention call of it reached the override) for the warning and the statistics."""
+    dm = getattr(base_model, "diffusion_model", None)
+    name = type(base_model).__name__ if base_model is not None else "this model"
+    if dm is not None:
+        name = f"{name} ({type(dm).__module__}.{type(dm).__name__})"
+    return name, UNREACHED_WHY
 
 
 def _call_kw(a, rest) -> dict:

@@ -41,6 +41,10 @@ class Case:
     # replaced after the configuration's own __init__, so the tiny model keeps its class and code.
     unet_extra_config: dict = field(default_factory=dict)
     init_std: float = 0.05  # random weights ~ N(0, init_std)
+    # (diffusion model, torch.Generator) -> None after the random weights: what a checkpoint would fill that is not a
+    # parameter (e.g. a positional-embedding buffer made with torch.empty)
+    init: Callable | None = None
+    state_dict: dict = field(default_factory=dict)  # handed to the configuration's get_model (tensors it reads there)
     seed: int = 0
     notes: str = ""
     extra: dict = field(default_factory=dict)
@@ -48,6 +52,7 @@ class Case:
 
 BUILDERS: dict[str, Callable[[type, bool], Case]] = {}
 UNBUILT: dict[str, str] = {}  # configuration name -> why the zoo cannot build it yet
+VARIANTS: dict[str, tuple[str, Callable[[type, bool], Case]]] = {}  # "SDXL+ControlNet" -> (configuration, builder)
 
 
 def family(*names: str):
@@ -58,6 +63,19 @@ def family(*names: str):
             if n in BUILDERS:
                 raise ValueError(f"zoo: {n} has two builders ({BUILDERS[n].__name__}, {fn.__name__})")
             BUILDERS[n] = fn
+        return fn
+
+    return deco
+
+
+def variant(name: str, config: str):
+    """Register a builder for a workflow variant of configuration ``config`` (a ControlNet, a LoRA, ...): sampled
+    like the configurations, under ``name``."""
+
+    def deco(fn):
+        if name in VARIANTS:
+            raise ValueError(f"zoo: variant {name} registered twice")
+        VARIANTS[name] = (config, fn)
         return fn
 
     return deco
@@ -83,11 +101,13 @@ def build(cls: type, case: Case, dtype=torch.float32, device="cpu"):
     mc = cls(cfg)
     mc.unet_config.update(case.unet_extra_config)
     mc.set_inference_dtype(dtype, None)
-    model = mc.get_model({}, device=device)
+    model = mc.get_model(dict(case.state_dict), device=device)
     g = torch.Generator().manual_seed(case.seed)
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((torch.randn(p.shape, generator=g) * case.init_std).to(p.dtype))
+        if case.init is not None:
+            case.init(model.diffusion_model, g)
     dev = torch.device(device)
     off = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=off)
@@ -114,7 +134,7 @@ def sample(patcher, case: Case, seed: int = 1):
     noise = torch.randn(case.latent, generator=torch.Generator().manual_seed(seed))
     neg = case.negative if case.negative is not None else zeroed(case.positive)
     out = comfy.sample.sample(patcher, noise, case.steps, case.cfg, case.sampler, case.scheduler, case.positive, neg,
-                              latent, disable_pbar=True)
+                              latent, disable_pbar=True, seed=seed)
     return out.float().cpu()
 
 
