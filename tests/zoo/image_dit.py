@@ -35,6 +35,21 @@ def _kw(fn, cfg: dict) -> dict:
     return {k: v for k, v in cfg.items() if k in params}
 
 
+def _unit_norms(dm, g: torch.Generator) -> None:
+    """Norm weights as a checkpoint has them, near 1: drawn N(0, init_std) like the rest they would shrink every q and
+    k behind a qk-norm to nothing, every attention would be uniform and no kernel error would show in the latent."""
+    for m in dm.modules():
+        if "Norm" in type(m).__name__:
+            for name, p in m.named_parameters(recurse=False):
+                if p.ndim == 1 and name in ("weight", "scale"):
+                    p.copy_((1.0 + 0.1 * torch.randn(p.shape, generator=g)).to(p.dtype))
+
+
+def _case(**kw) -> Case:
+    kw.setdefault("init", _unit_norms)
+    return Case(**kw)
+
+
 def _text_mask(n: int, valid: int) -> torch.Tensor:
     """A text encoder's attention mask for one prompt: ``valid`` real tokens, then padding."""
     m = torch.zeros(1, n, dtype=torch.long)
@@ -70,7 +85,7 @@ def flux_kontext(cls, gpu):
     ref = torch.randn(1, 16, hw, hw, generator=g)
     pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 2.5,
                   "reference_latents": [ref]}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="Kontext-style edit: reference latent (offset method), guidance 2.5")
 
 
@@ -91,7 +106,7 @@ def flux_schnell_redux(cls, gpu):
     cond = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g)}]]
     pos = comfy_nodes.StyleModelApply().apply_stylemodel(cond, _Style(), None, 0.5, "attn_bias")[0]
     hw = 32 if gpu else 8
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="Redux attn_bias 0.5: a float mask [B, Ntxt+Nimg, Ntxt+Nimg] through every joint attention")
 
 
@@ -105,7 +120,7 @@ def flux_fill(cls, gpu):
     mask[..., hw * 2:hw * 6, hw * 2:hw * 6] = 1.0
     pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 30.0,
                   "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g), "concat_mask": mask}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="inpaint: concat latent + 8x8-packed pixel mask (96 input channels), guidance 30")
 
 
@@ -116,7 +131,7 @@ def longcat(cls, gpu):
     cfg = _flux(gpu, guidance_embed=False, vec_in_dim=None, context_in_dim=3584, txt_ids_dims=[1, 2])
     ctx, g = _flux_text(gpu, 3584)
     hw = 32 if gpu else 8
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {}]], init_std=0.06 if gpu else 0.1)
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {}]], init_std=0.06 if gpu else 0.1)
 
 
 def _flux2(gpu: bool) -> dict:
@@ -139,7 +154,7 @@ def flux2_edit(cls, gpu):
     hw = 16 if gpu else 4
     refs = [torch.randn(1, 128, hw, hw, generator=g), torch.randn(1, 128, hw // 2, hw, generator=g)]
     pos = [[ctx, {"guidance": 4.0, "reference_latents": refs}]]
-    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.1 if gpu else 0.2,
+    return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.1 if gpu else 0.2,
                 notes="two reference latents (index method); text padded to 512 by model_base.Flux2")
 
 
@@ -161,7 +176,7 @@ def chroma(cls, gpu):
     ctx, g = _flux_text(gpu, cfg["context_in_dim"])
     hw = 32 if gpu else 8
     # CLIPTextEncode always sets pooled_output (None for T5 alone); 0.3.64's model_base reads the key
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {"pooled_output": None}]],
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {"pooled_output": None}]],
                 init_std=0.1 if gpu else 0.15)
 
 
@@ -176,7 +191,7 @@ def chroma_radiance(cls, gpu):
     cfg = _fields(ChromaRadianceParams, cfg)
     ctx, g = _flux_text(gpu, cfg["context_in_dim"])
     px = 256 if gpu else 64  # 16 x 16 = 256 image tokens on the GPU, 16 on the CPU
-    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=[[ctx, {"pooled_output": None}]], init_std=0.2)
+    return _case(unet_config=cfg, latent=(1, 3, px, px), positive=[[ctx, {"pooled_output": None}]], init_std=0.2)
 
 
 # ---------------------------------------------------------------- HiDream
@@ -198,7 +213,7 @@ def hidream(cls, gpu):
         "pooled_output": torch.randn(1, 32, generator=g),
         "conditioning_llama3": torch.randn(1, layers, n, c, generator=g),
         "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g)}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="E1-style edit: source latent concatenated along the width (image tokens doubled)")
 
 
@@ -226,7 +241,7 @@ def hidream_o1(cls, gpu):
                "(first step; cached after) with comfy.ops.scaled_dot_product_attention directly, and the Qwen3-VL ViT "
                "(comfy/text_encoders/qwen35.py, reference images) calls optimized_attention_for_device without "
                "transformer_options")
-    return Case(unet_config={"text_config_overrides": text, "vision_config_overrides": vision}, latent=(1, 3, px, px),
+    return _case(unet_config={"text_config_overrides": text, "vision_config_overrides": vision}, latent=(1, 3, px, px),
                 positive=pos, outside_hook=outside, init_std=0.2,
                 notes="edit: one reference image (ViT tokens + patches); GQA 2:1 through skip_reshape calls; from the "
                       "second step the prompt's K/V come from the model's cache, so q is shorter than k")
@@ -255,7 +270,7 @@ def qwen_image_edit(cls, gpu):
     refs = [torch.randn(1, 16, 1, hw, hw, generator=g), torch.randn(1, 16, 1, hw // 2, hw, generator=g)]
     pos = [[torch.randn(1, n, cfg["joint_attention_dim"], generator=g),
             {"attention_mask": _text_mask(n, n - 3), "reference_latents": refs}]]
-    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="edit 2511: 2 references, index_timestep_zero where the release has it; text padding mask")
 
 
@@ -271,7 +286,7 @@ def mage_flow(cls, gpu):
     hw = 16 if gpu else 4  # 1x1 patches: 256 / 16 image tokens
     pos = [[torch.randn(1, n, cfg["joint_attention_dim"], generator=g),
             {"attention_mask": _text_mask(n, n - 3), "reference_latents": [torch.randn(1, 128, hw, hw, generator=g)]}]]
-    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="edit: one reference latent (its own rope frame index); text padding mask")
 
 
@@ -286,7 +301,7 @@ def joyimage_edit(cls, gpu):
     hw = 32 if gpu else 8
     pos = [[torch.randn(1, n, cfg["text_dim"], generator=g),
             {"reference_latents": [torch.randn(1, 16, 1, hw, hw, generator=g)]}]]
-    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06,
+    return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06,
                 notes="edit: one reference latent; comfy-kitchen's fused rms_rope on the image stream")
 
 
@@ -313,7 +328,7 @@ def lumina2(cls, gpu):
     hw = 32 if gpu else 8
     # Gemma's mask is all ones (no padding): model_base turns it into num_tokens (0.3.64 needs it)
     pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {"attention_mask": _text_mask(n, n)}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.15)
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.15)
 
 
 @family("ZImage")
@@ -343,7 +358,7 @@ def zimage_omni(cls, gpu):
     # the negative prompt is encoded without the images (ComfyUI's own model code cannot batch the two: the extra
     # text embeds are laid out for batch 1)
     neg = [[torch.zeros_like(ctx), {}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=0.06 if gpu else 0.1,
                 notes="omni edit: reference latent + SigLIP tokens + template text; pad_tokens_multiple 32")
 
 
@@ -363,7 +378,7 @@ def zimage_pixel(cls, gpu):
     n = 128 if gpu else 8
     px = 16 * (16 if gpu else 4)
     pos = [[torch.randn(1, n, cfg["cap_feat_dim"], generator=g), {}]]
-    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.2)
+    return _case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.2)
 
 
 # ---------------------------------------------------------------- PixelDiT and PiD (pixel space)
@@ -384,7 +399,7 @@ def pixeldit(cls, gpu):
     n = 128 if gpu else 8
     px = 16 * (16 if gpu else 4)
     pos = [[torch.randn(1, n, cfg["txt_embed_dim"], generator=g), {"attention_mask": _text_mask(n, n - 2)}]]
-    return Case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.1,
+    return _case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.1,
                 notes="the text mask reaches model_base and is dropped by the model (its blocks pass mask=None)")
 
 
@@ -399,7 +414,7 @@ def pid(cls, gpu):
     grid = 16 if gpu else 4  # patch grid; the LQ latent is at 1/32 of the pixels: grid / 2
     pos = [[torch.randn(1, n, cfg["txt_embed_dim"], generator=g),
             {"lq_latent": torch.randn(1, 16, grid // 2, grid // 2, generator=g), "degrade_sigma": torch.tensor([0.1])}]]
-    return Case(unet_config=cfg, latent=(1, 3, 16 * grid, 16 * grid), positive=pos, init_std=0.1,
+    return _case(unet_config=cfg, latent=(1, 3, 16 * grid, 16 * grid), positive=pos, init_std=0.1,
                 notes="4x upscale of a 16-channel latent")
 
 
@@ -422,7 +437,7 @@ def _omnigen_case(cfg, feat: str, gpu: bool, **kw):
     # the text encoder's mask is all ones (no padding): model_base turns it into ``num_tokens`` only
     pos = [[torch.randn(1, n, cfg[feat], generator=g), {"attention_mask": _text_mask(n, n),
                                                         "reference_latents": [torch.randn(1, 16, hw, hw, generator=g)]}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, **kw)
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, **kw)
 
 
 @family("Omnigen2")
@@ -459,7 +474,7 @@ def krea2(cls, gpu):
     n = 128 if gpu else 8
     hw = 32 if gpu else 8
     pos = [[torch.randn(1, n, cfg["txtlayers"] * cfg["txtdim"], generator=g), {}]]
-    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1)
+    return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1)
 
 
 @family("Lens")
@@ -474,7 +489,7 @@ def lens(cls, gpu):
     n = 128 if gpu else 8
     hw = 16 if gpu else 4  # 1 token per latent pixel: 256 / 16 image tokens
     pos = [[torch.randn(1, n, L * cfg["enc_hidden_dim"], generator=g), {"attention_mask": _text_mask(n, n - 3)}]]
-    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="text padding mask -> additive joint mask [B, 1, 1, Nimg+Ntxt]")
 
 
@@ -492,7 +507,7 @@ def kandinsky5_image(cls, gpu):
     hw = 32 if gpu else 8
     pos = [[torch.randn(1, n, cfg["in_text_dim"], generator=g),
             {"pooled_output": torch.randn(1, 32, generator=g), "attention_mask": _text_mask(n, n - 2)}]]
-    return Case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1)
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1)
 
 
 @family("Anima")
@@ -509,11 +524,12 @@ def anima(cls, gpu):
     g = _g()
     n = 128 if gpu else 8
     hw = 32 if gpu else 8
-    ids = torch.randint(0, 32128, (n + 3,), generator=g)
-    pos = [[torch.randn(1, n, 1024, generator=g), {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(n + 3)}]]
+    t5 = 24 if gpu else 11  # the prompt's T5 tokens: the adapter's queries (its output is padded to 512)
+    ids = torch.randint(0, 32128, (t5,), generator=g)
+    pos = [[torch.randn(1, n, 1024, generator=g), {"t5xxl_ids": ids, "t5xxl_weights": torch.ones(t5)}]]
     outside = ("some: the LLM adapter (comfy/ldm/anima/model.py Attention.forward) calls "
                "torch.nn.functional.scaled_dot_product_attention directly")
-    return Case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, outside_hook=outside,
+    return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, outside_hook=outside,
                 init_std=0.06 if gpu else 0.1, notes="cross-attention keys: 512 (the adapter's output, padded)")
 
 
@@ -529,7 +545,7 @@ def ernie_image(cls, gpu):
     pos = [[torch.randn(1, n, cfg["text_in_dim"], generator=g), {}]]
     outside = ("all: comfy/ldm/ernie/model.py ErnieImageAttention.forward calls optimized_attention without "
                "transformer_options")
-    return Case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, outside_hook=outside,
+    return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, outside_hook=outside,
                 init_std=0.06 if gpu else 0.1)
 
 
@@ -558,7 +574,7 @@ def hunyuan_image21(cls, gpu):
     hw = 16 if gpu else 4  # 32x-compressed latent, 1x1 patches
     pos = [[torch.randn(1, n, cfg["context_in_dim"], generator=g),
             {"conditioning_byt5small": torch.randn(1, 6, 1472, generator=g), "guidance": 3.5}]]
-    return Case(unet_config=cfg, latent=(1, 64, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 64, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="ByT5 glyph tokens, meanflow")
 
 
@@ -581,7 +597,7 @@ def hunyuan_image21_refiner(cls, gpu):
             {"concat_latent_image": torch.randn(1, 32 if packs else 64, 1, hw, hw, generator=g), "noise_augmentation": 0.1,
              "seed": 10,
              "guidance": 3.5}]]
-    return Case(unet_config=cfg, latent=(1, 64, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
+    return _case(unet_config=cfg, latent=(1, 64, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="refining a base latent (concat_latent_image, noise augmentation 0.1)")
 
 
@@ -600,6 +616,6 @@ def ideogram4(cls, gpu):
     n = 128 if gpu else 8
     hw = 16 if gpu else 4  # 128-channel Flux.2 latent: one token per latent pixel
     pos = [[torch.randn(1, n, extra["llm_features_dim"], generator=g), {"attention_mask": _text_mask(n, n - 3)}]]
-    return Case(unet_config={"in_channels": 128, "num_layers": 1}, unet_extra_config=extra, latent=(1, 128, hw, hw),
+    return _case(unet_config={"in_channels": 128, "num_layers": 1}, unet_extra_config=extra, latent=(1, 128, hw, hw),
                 positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="text padding -> block-diagonal segment mask [B, 1, L, L] (additive -finfo.max)")
