@@ -12,7 +12,7 @@ import dataclasses
 
 import torch
 
-from .core import Case, family, unbuilt  # noqa: F401
+from .core import Case, family, unbuilt, variant  # noqa: F401
 
 
 def _g(seed: int = 0) -> torch.Generator:
@@ -122,6 +122,51 @@ def flux_fill(cls, gpu):
                   "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g), "concat_mask": mask}]]
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
                 notes="inpaint: concat latent + 8x8-packed pixel mask (96 input channels), guidance 30")
+
+
+CONTROLNET_OUTSIDE = ("some: comfy/controlnet.py ControlNet.get_control calls the control model without "
+                      "transformer_options, and comfy/ldm/flux/controlnet.py ControlNetFlux.forward_orig calls its blocks "
+                      "without them: the ControlNet's own attention runs ComfyUI's attention")
+
+
+@variant("Flux+ControlNet", "Flux")
+def flux_controlnet(cls, gpu):
+    """Flux.1 dev text-to-image with an XLabs-style Flux ControlNet (comfy.ldm.flux.controlnet.ControlNetFlux: double
+    blocks and the pixel hint encoder, built as comfy.controlnet.load_controlnet_flux_xlabs_mistoline builds it),
+    random weights, applied to both conditionings by the Apply ControlNet (Advanced) node at strength 0.8."""
+    import comfy.controlnet
+    import comfy.ldm.flux.controlnet
+    import comfy.ops
+
+    import nodes as comfy_nodes
+
+    cfg = _flux(gpu)
+    ctx, g = _flux_text(gpu, cfg["context_in_dim"])
+    hw = 32 if gpu else 8
+    pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 3.5}]]
+    neg = [[torch.zeros_like(ctx), {"pooled_output": torch.zeros(1, cfg["vec_in_dim"]), "guidance": 3.5}]]
+    hint = torch.rand(1, hw * 8, hw * 8, 3, generator=_g(12))  # an IMAGE (B, H, W, C): a preprocessed edge map
+    std = 0.06 if gpu else 0.1
+
+    def controlnet(dtype=torch.float32, device="cpu"):
+        cm = comfy.ldm.flux.controlnet.ControlNetFlux(mistoline=False, operations=comfy.ops.disable_weight_init,
+                                                      device=device, dtype=dtype, **dict(cfg, depth_single_blocks=0))
+        gc = _g(11)
+        with torch.no_grad():
+            for p in cm.parameters():
+                p.copy_((torch.randn(p.shape, generator=gc) * std).to(p.dtype))
+            _unit_norms(cm, gc)
+        return comfy.controlnet.ControlNet(cm, load_device=torch.device(device), manual_cast_dtype=None,
+                                           extra_conds=["y", "guidance"])
+
+    def apply(positive, negative, dtype=torch.float32, device="cpu"):
+        return comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(positive, negative, controlnet(dtype, device),
+                                                                      hint, 0.8, 0.0, 1.0)
+
+    pos, neg = apply(pos, neg)
+    return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=std,
+                 outside_hook=CONTROLNET_OUTSIDE, extra={"reapply": apply},
+                 notes="XLabs-style ControlNet (1 double block), strength 0.8")
 
 
 @family("LongCatImage")
