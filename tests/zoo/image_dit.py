@@ -86,7 +86,7 @@ def flux_kontext(cls, gpu):
     pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 2.5,
                   "reference_latents": [ref]}]]
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="Kontext-style edit: reference latent (offset method), guidance 2.5")
+                 notes="Kontext-style edit: reference latent (offset method), guidance 2.5")
 
 
 @family("FluxSchnell")
@@ -107,7 +107,7 @@ def flux_schnell_redux(cls, gpu):
     pos = comfy_nodes.StyleModelApply().apply_stylemodel(cond, _Style(), None, 0.5, "attn_bias")[0]
     hw = 32 if gpu else 8
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="Redux attn_bias 0.5: a float mask [B, Ntxt+Nimg, Ntxt+Nimg] through every joint attention")
+                 notes="Redux attn_bias 0.5: a float mask [B, Ntxt+Nimg, Ntxt+Nimg] through every joint attention")
 
 
 @family("FluxInpaint")
@@ -121,7 +121,7 @@ def flux_fill(cls, gpu):
     pos = [[ctx, {"pooled_output": torch.randn(1, cfg["vec_in_dim"], generator=g), "guidance": 30.0,
                   "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g), "concat_mask": mask}]]
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="inpaint: concat latent + 8x8-packed pixel mask (96 input channels), guidance 30")
+                 notes="inpaint: concat latent + 8x8-packed pixel mask (96 input channels), guidance 30")
 
 
 CONTROLNET_OUTSIDE = ("some: comfy/controlnet.py ControlNet.get_control calls the control model without "
@@ -160,8 +160,12 @@ def flux_controlnet(cls, gpu):
                                            extra_conds=["y", "guidance"])
 
     def apply(positive, negative, dtype=torch.float32, device="cpu"):
-        return comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(positive, negative, controlnet(dtype, device),
-                                                                      hint, 0.8, 0.0, 1.0)
+        """The ControlNet in ``dtype`` on ``device`` applied to the conditionings (replacing one applied before)."""
+        def plain(cond):
+            return [[c, {k: v for k, v in d.items() if k not in ("control", "control_apply_to_uncond")}] for c, d in cond]
+
+        return comfy_nodes.ControlNetApplyAdvanced().apply_controlnet(plain(positive), plain(negative),
+                                                                      controlnet(dtype, device), hint, 0.8, 0.0, 1.0)
 
     pos, neg = apply(pos, neg)
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=std,
@@ -200,7 +204,7 @@ def flux2_edit(cls, gpu):
     refs = [torch.randn(1, 128, hw, hw, generator=g), torch.randn(1, 128, hw // 2, hw, generator=g)]
     pos = [[ctx, {"guidance": 4.0, "reference_latents": refs}]]
     return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.1 if gpu else 0.2,
-                notes="two reference latents (index method); text padded to 512 by model_base.Flux2")
+                 notes="two reference latents (index method); text padded to 512 by model_base.Flux2")
 
 
 def _chroma(gpu: bool, **over) -> dict:
@@ -222,7 +226,7 @@ def chroma(cls, gpu):
     hw = 32 if gpu else 8
     # CLIPTextEncode always sets pooled_output (None for T5 alone); 0.3.64's model_base reads the key
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=[[ctx, {"pooled_output": None}]],
-                init_std=0.1 if gpu else 0.15)
+                 init_std=0.1 if gpu else 0.15)
 
 
 @family("ChromaRadiance")
@@ -259,7 +263,7 @@ def hidream(cls, gpu):
         "conditioning_llama3": torch.randn(1, layers, n, c, generator=g),
         "concat_latent_image": torch.randn(1, 16, hw, hw, generator=g)}]]
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="E1-style edit: source latent concatenated along the width (image tokens doubled)")
+                 notes="E1-style edit: source latent concatenated along the width (image tokens doubled)")
 
 
 @family("HiDreamO1")
@@ -275,20 +279,25 @@ def hidream_o1(cls, gpu):
                   deepstack_visual_indexes=())
     g = _g()
     words = torch.randint(1000, 150000, (24 if gpu else 6,), generator=g).tolist()
-    ids = ([te.IM_START_ID, te.USER_ID, te.NEWLINE_ID] + words
-           + [te.IM_END_ID, te.NEWLINE_ID, te.IM_START_ID, te.ASSISTANT_ID, te.NEWLINE_ID, te.BOI_TOKEN_ID,
-              te.TMS_TOKEN_ID])
-    ids = torch.tensor([ids], dtype=torch.long)
+
+    def prompt(words):  # HiDreamO1Tokenizer's chat template around the prompt's tokens
+        return torch.tensor([[te.IM_START_ID, te.USER_ID, te.NEWLINE_ID] + words
+                             + [te.IM_END_ID, te.NEWLINE_ID, te.IM_START_ID, te.ASSISTANT_ID, te.NEWLINE_ID,
+                                te.BOI_TOKEN_ID, te.TMS_TOKEN_ID]], dtype=torch.long)
+
     px = 384 if gpu else 64  # 32x32 patches: 144 target tokens on the GPU, 4 on the CPU
     ref = torch.rand(1, px, px, 3, generator=g)  # an IMAGE, as HiDream-O1 Reference Images attaches it
-    pos = [[ids.unsqueeze(-1).float(), {"text_input_ids": ids, "reference_latents": [ref]}]]
+    # the node attaches the references to both; the empty negative prompt is shorter: its own batch and cache entry
+    pos, neg = prompt(words), prompt([])
+    pos = [[pos.unsqueeze(-1).float(), {"text_input_ids": pos, "reference_latents": [ref]}]]
+    neg = [[neg.unsqueeze(-1).float(), {"text_input_ids": neg, "reference_latents": [ref]}]]
     outside = ("some: comfy/ldm/hidream_o1/attention.py make_two_pass_attention runs the causal prompt prefix "
                "(first step; cached after) with comfy.ops.scaled_dot_product_attention directly, and the Qwen3-VL ViT "
                "(comfy/text_encoders/qwen35.py, reference images) calls optimized_attention_for_device without "
                "transformer_options")
     return _case(unet_config={"text_config_overrides": text, "vision_config_overrides": vision}, latent=(1, 3, px, px),
-                positive=pos, outside_hook=outside, init_std=0.2,
-                notes="edit: one reference image (ViT tokens + patches); GQA 2:1 through skip_reshape calls; from the "
+                 positive=pos, negative=neg, outside_hook=outside, init_std=0.2,
+                 notes="edit: one reference image (ViT tokens + patches); GQA 2:1 through skip_reshape calls; from the "
                       "second step the prompt's K/V come from the model's cache, so q is shorter than k")
 
 
@@ -316,7 +325,7 @@ def qwen_image_edit(cls, gpu):
     pos = [[torch.randn(1, n, cfg["joint_attention_dim"], generator=g),
             {"attention_mask": _text_mask(n, n - 3), "reference_latents": refs}]]
     return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="edit 2511: 2 references, index_timestep_zero where the release has it; text padding mask")
+                 notes="edit 2511: 2 references, index_timestep_zero where the release has it; text padding mask")
 
 
 @family("MageFlow")
@@ -332,7 +341,7 @@ def mage_flow(cls, gpu):
     pos = [[torch.randn(1, n, cfg["joint_attention_dim"], generator=g),
             {"attention_mask": _text_mask(n, n - 3), "reference_latents": [torch.randn(1, 128, hw, hw, generator=g)]}]]
     return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="edit: one reference latent (its own rope frame index); text padding mask")
+                 notes="edit: one reference latent (its own rope frame index); text padding mask")
 
 
 @family("JoyImage")
@@ -347,7 +356,7 @@ def joyimage_edit(cls, gpu):
     pos = [[torch.randn(1, n, cfg["text_dim"], generator=g),
             {"reference_latents": [torch.randn(1, 16, 1, hw, hw, generator=g)]}]]
     return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, init_std=0.06,
-                notes="edit: one reference latent; comfy-kitchen's fused rms_rope on the image stream")
+                 notes="edit: one reference latent; comfy-kitchen's fused rms_rope on the image stream")
 
 
 # ---------------------------------------------------------------- Lumina 2 and Z-Image (NextDiT)
@@ -404,7 +413,7 @@ def zimage_omni(cls, gpu):
     # text embeds are laid out for batch 1)
     neg = [[torch.zeros_like(ctx), {}]]
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=0.06 if gpu else 0.1,
-                notes="omni edit: reference latent + SigLIP tokens + template text; pad_tokens_multiple 32")
+                 notes="omni edit: reference latent + SigLIP tokens + template text; pad_tokens_multiple 32")
 
 
 @family("ZImagePixelSpace")
@@ -445,7 +454,7 @@ def pixeldit(cls, gpu):
     px = 16 * (16 if gpu else 4)
     pos = [[torch.randn(1, n, cfg["txt_embed_dim"], generator=g), {"attention_mask": _text_mask(n, n - 2)}]]
     return _case(unet_config=cfg, latent=(1, 3, px, px), positive=pos, init_std=0.1,
-                notes="the text mask reaches model_base and is dropped by the model (its blocks pass mask=None)")
+                 notes="the text mask reaches model_base and is dropped by the model (its blocks pass mask=None)")
 
 
 @family("PiD")
@@ -460,7 +469,7 @@ def pid(cls, gpu):
     pos = [[torch.randn(1, n, cfg["txt_embed_dim"], generator=g),
             {"lq_latent": torch.randn(1, 16, grid // 2, grid // 2, generator=g), "degrade_sigma": torch.tensor([0.1])}]]
     return _case(unet_config=cfg, latent=(1, 3, 16 * grid, 16 * grid), positive=pos, init_std=0.1,
-                notes="4x upscale of a 16-channel latent")
+                 notes="4x upscale of a 16-channel latent")
 
 
 # ---------------------------------------------------------------- OmniGen 2 and Boogu
@@ -535,7 +544,7 @@ def lens(cls, gpu):
     hw = 16 if gpu else 4  # 1 token per latent pixel: 256 / 16 image tokens
     pos = [[torch.randn(1, n, L * cfg["enc_hidden_dim"], generator=g), {"attention_mask": _text_mask(n, n - 3)}]]
     return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="text padding mask -> additive joint mask [B, 1, 1, Nimg+Ntxt]")
+                 notes="text padding mask -> additive joint mask [B, 1, 1, Nimg+Ntxt]")
 
 
 @family("Kandinsky5Image")
@@ -575,7 +584,7 @@ def anima(cls, gpu):
     outside = ("some: the LLM adapter (comfy/ldm/anima/model.py Attention.forward) calls "
                "torch.nn.functional.scaled_dot_product_attention directly")
     return _case(unet_config=cfg, latent=(1, 16, 1, hw, hw), positive=pos, outside_hook=outside,
-                init_std=0.06 if gpu else 0.1, notes="cross-attention keys: 512 (the adapter's output, padded)")
+                 init_std=0.06 if gpu else 0.1, notes="cross-attention keys: 512 (the adapter's output, padded)")
 
 
 @family("ErnieImage")
@@ -591,7 +600,7 @@ def ernie_image(cls, gpu):
     outside = ("all: comfy/ldm/ernie/model.py ErnieImageAttention.forward calls optimized_attention without "
                "transformer_options")
     return _case(unet_config=cfg, latent=(1, 128, hw, hw), positive=pos, outside_hook=outside,
-                init_std=0.06 if gpu else 0.1)
+                 init_std=0.06 if gpu else 0.1)
 
 
 # ---------------------------------------------------------------- HunyuanImage 2.1 (HunyuanVideo's model, 2-D)
@@ -620,7 +629,7 @@ def hunyuan_image21(cls, gpu):
     pos = [[torch.randn(1, n, cfg["context_in_dim"], generator=g),
             {"conditioning_byt5small": torch.randn(1, 6, 1472, generator=g), "guidance": 3.5}]]
     return _case(unet_config=cfg, latent=(1, 64, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="ByT5 glyph tokens, meanflow")
+                 notes="ByT5 glyph tokens, meanflow")
 
 
 @family("HunyuanImage21Refiner")
@@ -643,7 +652,7 @@ def hunyuan_image21_refiner(cls, gpu):
              "seed": 10,
              "guidance": 3.5}]]
     return _case(unet_config=cfg, latent=(1, 64, 1, hw, hw), positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="refining a base latent (concat_latent_image, noise augmentation 0.1)")
+                 notes="refining a base latent (concat_latent_image, noise augmentation 0.1)")
 
 
 @family("Ideogram4")
@@ -662,5 +671,5 @@ def ideogram4(cls, gpu):
     hw = 16 if gpu else 4  # 128-channel Flux.2 latent: one token per latent pixel
     pos = [[torch.randn(1, n, extra["llm_features_dim"], generator=g), {"attention_mask": _text_mask(n, n - 3)}]]
     return _case(unet_config={"in_channels": 128, "num_layers": 1}, unet_extra_config=extra, latent=(1, 128, hw, hw),
-                positive=pos, init_std=0.06 if gpu else 0.1,
-                notes="text padding -> block-diagonal segment mask [B, 1, L, L] (additive -finfo.max)")
+                 positive=pos, init_std=0.06 if gpu else 0.1,
+                 notes="text padding -> block-diagonal segment mask [B, 1, L, L] (additive -finfo.max)")
