@@ -1,9 +1,11 @@
 """Zoo builders: image DiTs (Flux and its descendants, Chroma, HiDream, Qwen-Image, Lumina 2 / Z-Image, OmniGen 2, ...).
 
-Each builder reads the release it runs on only where ComfyUI's constructors differ (a dataclass field added, a keyword
-renamed); the sizes are ComfyUI's own config keys, shrunk. CPU sizes: width 64-128, 2 heads, a few dozen tokens.
-GPU sizes: each family's real head dim (Flux/Qwen/Chroma 128, Lumina 2 96/128, Ideogram 4 256, ...), at least 128
-image tokens and 128 text tokens where the family takes them.
+Each builder reads the release it runs on only where ComfyUI's code differs (a dataclass field or keyword added, a
+latent format that packs channels); the sizes are ComfyUI's own config keys, shrunk. CPU sizes: width 64, 2 heads (head
+dim 32), a few dozen tokens; width 256 (head dim 128) where the family's code needs it (Z-Image's adaLN, JoyImage's
+forced rope). GPU sizes: each family's real head dim (128 for most; Lumina 2 96, OmniGen 2 / Boogu 120, PixelDiT 64
+and 72, Lens 64, Ideogram 4 256), at least 128 image tokens and 128 text tokens where the family takes them. Norm
+weights start near 1, as in a checkpoint (see :func:`_unit_norms`).
 """
 
 from __future__ import annotations
@@ -219,6 +221,7 @@ def _chroma(gpu: bool, **over) -> dict:
 
 @family("Chroma")
 def chroma(cls, gpu):
+    """Chroma: Flux's blocks modulated by a distilled guidance approximator, T5 text only."""
     from comfy.ldm.chroma.model import ChromaParams
 
     cfg = _fields(ChromaParams, _chroma(gpu))
