@@ -26,7 +26,7 @@ class Case:
     """One configuration's tiny model and what a workflow samples it with."""
 
     unet_config: dict  # tiny sizes; merged over the configuration's own ``unet_config`` (the keys it matches on)
-    latent: tuple  # shape of the latent (and of the noise)
+    latent: tuple  # shape of the latent (and of the noise); a tuple of shapes: a nested latent (e.g. TripoSplat's latent + camera)
     positive: list  # ComfyUI conditioning: [[cross-attention tensor, {extras: pooled_output, attention_mask, ...}], ...]
     negative: list | None = None  # None: the positive's shapes, zeroed (what an empty negative prompt gives)
     cfg: float = 2.0
@@ -41,6 +41,9 @@ class Case:
     seed: int = 0
     notes: str = ""
     extra: dict = field(default_factory=dict)
+    # Weights the configuration's ``get_model`` loads besides the diffusion model (Stable Audio's seconds embedders);
+    # they only need the right keys and shapes: every parameter is drawn N(0, init_std) afterwards.
+    state_dict: dict = field(default_factory=dict)
 
 
 BUILDERS: dict[str, Callable[[type, bool], Case]] = {}
@@ -79,7 +82,7 @@ def build(cls: type, case: Case, dtype=torch.float32, device="cpu"):
     cfg = {**getattr(cls, "unet_config", {}), **case.unet_config}
     mc = cls(cfg)
     mc.set_inference_dtype(dtype, None)
-    model = mc.get_model({}, device=device)
+    model = mc.get_model(dict(case.state_dict), device=device)
     g = torch.Generator().manual_seed(case.seed)
     with torch.no_grad():
         for p in model.parameters():
@@ -100,17 +103,38 @@ def zeroed(cond: list) -> list:
     return out
 
 
+def nested(latent) -> bool:
+    """A tuple of shapes: a nested latent (several streams sampled together)."""
+    return len(latent) > 0 and isinstance(latent[0], (tuple, list))
+
+
 def sample(patcher, case: Case, seed: int = 1):
-    """Sample ``patcher`` (already patched or not) with ``case``'s conditioning; returns the final latent (CPU, fp32)."""
+    """Sample ``patcher`` (already patched or not) with ``case``'s conditioning; returns the final latent (CPU, fp32).
+
+    A nested latent comes back packed as ComfyUI's sampler packs it: ``[B, 1, all streams' elements]``. Torch's global
+    generator is seeded too: ComfyUI 0.3.64 leaves diffusion models in training mode, so a model with dropout (ACE-Step's
+    lyric encoder) draws from it on every step."""
     import comfy.sample
 
     if case.patch is not None:
         patcher = case.patch(patcher)
-    latent = torch.zeros(case.latent)
-    noise = torch.randn(case.latent, generator=torch.Generator().manual_seed(seed))
+    torch.manual_seed(seed)
+    g = torch.Generator().manual_seed(seed)
+    if nested(case.latent):
+        import comfy.nested_tensor
+
+        latent = comfy.nested_tensor.NestedTensor([torch.zeros(s) for s in case.latent])
+        noise = comfy.nested_tensor.NestedTensor([torch.randn(s, generator=g) for s in case.latent])
+    else:
+        latent = torch.zeros(case.latent)
+        noise = torch.randn(case.latent, generator=g)
     neg = case.negative if case.negative is not None else zeroed(case.positive)
     out = comfy.sample.sample(patcher, noise, case.steps, case.cfg, case.sampler, case.scheduler, case.positive, neg,
                               latent, disable_pbar=True)
+    if getattr(out, "is_nested", False):
+        import comfy.utils
+
+        out = comfy.utils.pack_latents(out.unbind())[0]
     return out.float().cpu()
 
 
