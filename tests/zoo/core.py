@@ -38,11 +38,15 @@ class Case:
     outside_hook: str = ""
     patch: Callable | None = None  # (ModelPatcher) -> ModelPatcher before sampling: a ControlNet, a LoRA, ...
     init_std: float = 0.05  # random weights ~ N(0, init_std)
+    # Norm layers' scales (weight/gamma/scale of a module whose class name says Norm, q/k norms included) ~ 1 + N(0, this)
+    # instead: at N(0, init_std) they shrink q and k so far that attention is uniform and a wrong kernel goes unseen.
+    norm_init: float | None = None
     seed: int = 0
     notes: str = ""
     extra: dict = field(default_factory=dict)
-    # Weights the configuration's ``get_model`` loads besides the diffusion model (Stable Audio's seconds embedders);
-    # they only need the right keys and shapes: every parameter is drawn N(0, init_std) afterwards.
+    # A checkpoint's other entries: what the configuration's ``get_model`` loads besides the diffusion model (Stable
+    # Audio's seconds embedders; only keys and shapes matter, every parameter is drawn afterwards), and under
+    # "model.diffusion_model." what is loaded into the diffusion model after the draw (buffers it leaves empty).
     state_dict: dict = field(default_factory=dict)
 
 
@@ -75,6 +79,9 @@ def configurations() -> list[type]:
     return list(sm.models)
 
 
+UNET = "model.diffusion_model."
+
+
 def build(cls: type, case: Case, dtype=torch.float32, device="cpu"):
     """A ModelPatcher over ``cls``'s model with ``case``'s tiny config and seeded random weights."""
     import comfy.model_patcher
@@ -87,6 +94,17 @@ def build(cls: type, case: Case, dtype=torch.float32, device="cpu"):
     with torch.no_grad():
         for p in model.parameters():
             p.copy_((torch.randn(p.shape, generator=g) * case.init_std).to(p.dtype))
+        if case.norm_init is not None:
+            for mod in model.modules():
+                if "norm" not in type(mod).__name__.lower():
+                    continue
+                for name, p in mod.named_parameters(recurse=False):
+                    if name in ("weight", "gamma", "scale"):
+                        p.copy_((1 + torch.randn(p.shape, generator=g) * case.norm_init).to(p.dtype))
+        unet = {k[len(UNET):]: v for k, v in case.state_dict.items() if k.startswith(UNET)}
+        if unet:  # what a checkpoint carries besides weights (buffers the model leaves empty, e.g. rotary frequencies)
+            missing, unexpected = model.diffusion_model.load_state_dict(unet, strict=False)
+            assert not unexpected, f"zoo: {cls.__name__}: no such diffusion-model keys: {unexpected}"
     dev = torch.device(device)
     off = torch.device("cpu")
     return comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=off)
