@@ -26,7 +26,7 @@ class Case:
     """One configuration's tiny model and what a workflow samples it with."""
 
     unet_config: dict  # tiny sizes; merged over the configuration's own ``unet_config`` (the keys it matches on)
-    latent: tuple  # shape of the latent (and of the noise); a tuple of shapes: a nested latent (e.g. TripoSplat's latent + camera)
+    latent: tuple  # shape of the latent (and of the noise); a tuple of shapes: a nested latent (TripoSplat's latent + camera)
     positive: list  # ComfyUI conditioning: [[cross-attention tensor, {extras: pooled_output, attention_mask, ...}], ...]
     negative: list | None = None  # None: the positive's shapes, zeroed (what an empty negative prompt gives)
     cfg: float = 2.0
