@@ -138,14 +138,14 @@ unbuilt("MiniMaxMusic3", "comfy/ldm/minimax_music/dit.py fixes its DiT's sizes i
 
 # ---------------------------------------------------------------- Hunyuan3D (comfy/ldm/hunyuan3d, hunyuan3dv2_1)
 
-def _hunyuan3d_case(cfg, gpu, init_std, outside=""):
+def _hunyuan3d_case(cfg, gpu, init_std, outside="", extra=None):
     """Hunyuan3DConditioning: DINOv2 image tokens as context (1370 x 1536 from a 518 px image; 2.1: 1024 wide), the
     negative zeroed; a latent of (1, 64, points)."""
     tokens, ctx_tokens = (256, 257) if gpu else (16, 10)
     ctx_dim = cfg.get("context_in_dim", cfg.get("context_dim"))
     positive = [[_randn(1, ctx_tokens, ctx_dim, seed=1), {}]]
     return Case(unet_config=cfg, latent=(1, 64, tokens), positive=positive, outside_hook=outside, init_std=init_std,
-                norm_init=0.1, cfg=5.0)
+                norm_init=0.1, cfg=5.0, extra=extra or {})
 
 
 @family("Hunyuan3Dv2")
@@ -175,7 +175,9 @@ def hunyuan3d_v2_1(cls, gpu):
                num_moe_layers=1, num_experts=4, moe_top_k=2, qkv_bias=False, guidance_cond_proj_dim=None)
     return _hunyuan3d_case(cfg, gpu, 0.1, outside=(
         "all: comfy/ldm/hunyuan3dv2_1/hunyuandit.py Attention.forward and CrossAttention.forward call "
-        "optimized_attention without transformer_options (HunYuanDiTPlain.forward does not pass them to its blocks)"))
+        "optimized_attention without transformer_options (HunYuanDiTPlain.forward does not pass them to its blocks)"),
+        # 0.3.64's forward splits its context into cond and uncond halves: it runs only with CFG's two-row batch
+        extra={"needs_uncond": True})
 
 
 # ---------------------------------------------------------------- TripoSplat (comfy/ldm/triposplat/model.py)

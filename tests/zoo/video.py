@@ -493,8 +493,9 @@ def mochi(cls, gpu):
     t, h, w, n = (2, 16, 16, 136) if gpu else (2, 8, 8, 8)
     ex = {"attention_mask": _text_mask(n, 3)}
     return _case(gpu, unet_config=cfg, latent=(1, 12, t, h, w), positive=[[_rand(g, 1, n, 64), ex]],
-                 notes="its text pooling (comfy/ldm/genmo/joint_model/utils.py AttentionPool) calls torch's "
-                       "scaled_dot_product_attention itself, not ComfyUI's attention: no override can reach it")
+                 outside_hook="some: its text pooling (comfy/ldm/genmo/joint_model/utils.py AttentionPool) calls "
+                              "torch's scaled_dot_product_attention itself, not ComfyUI's attention: no override can "
+                              "reach it")
 
 
 # --- Cosmos 1 and Cosmos Predict2 -----------------------------------------------------------------------------------
