@@ -167,14 +167,14 @@ def bound_of(A, backend: str, floor: float = 0.0) -> float:
     return cls + floor
 
 
-def rounding_floor(z, cls, case, base, ref, device):
-    """rel-L1 of the unpatched latent (``ref``, sampled in ``base``'s dtype) against the same weights sampled in fp32:
-    the noise floor bf16 rounding alone gives this model. 0.0 when the model already runs in fp32."""
+def rounding_floor(z, cls, case, base, ref, dtype, device):
+    """rel-L1 of the unpatched latent (``ref``, sampled in ``dtype``) against the same weights sampled in fp32: the
+    noise floor bf16 rounding alone gives this model. 0.0 when ``dtype`` is fp32."""
     import torch
 
-    dm = base.model.diffusion_model
-    if next(dm.parameters()).dtype == torch.float32:
+    if dtype == torch.float32:
         return 0.0
+    dm = base.model.diffusion_model
     full = z.build(cls, case, dtype=torch.float32, device=device)
     full.model.diffusion_model.load_state_dict({k: v.float() for k, v in dm.state_dict().items()}, strict=False)
     try:
@@ -217,7 +217,7 @@ def run_config(z, mod, name, cls, builder, backends, case_timeout, device="cuda"
                         "seconds": round(time.perf_counter() - t0, 2)}
     signal.alarm(case_timeout)
     try:
-        floor = res["rounding_floor"] = rounding_floor(z, cls, case, base, ref, device)
+        floor = res["rounding_floor"] = rounding_floor(z, cls, case, base, ref, dtype, device)
     except Exception as e:  # the floor is an allowance, never a reason to skip the runs
         floor = res["rounding_floor"] = 0.0
         res["rounding_floor_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
