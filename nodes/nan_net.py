@@ -46,11 +46,41 @@ def output_flag(out):
     return finite_flag(out) if isinstance(out, torch.Tensor) and out.is_floating_point() else None
 
 
+CONTROL_ARG = 4  # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+
+
+def whole_control(args, kwargs):
+    """The forward's arguments with its ControlNet residuals' lists copied (the dict and its lists only, not the
+    tensors): UNet-style models pop each residual as they add it (``openaimodel.apply_control``, HunyuanDiT's blocks),
+    so a forward computed again needs lists of its own, or it runs without the ControlNet."""
+    if len(args) > CONTROL_ARG:
+        control = args[CONTROL_ARG]
+        if isinstance(control, dict):
+            args = (*args[:CONTROL_ARG], _copy_lists(control), *args[CONTROL_ARG + 1:])
+    elif isinstance(kwargs.get("control"), dict):
+        kwargs = {**kwargs, "control": _copy_lists(kwargs["control"])}
+    return args, kwargs
+
+
+def _copy_lists(control: dict) -> dict:
+    return {k: list(v) if isinstance(v, list) else v for k, v in control.items()}
+
+
 class ForwardWrapper(BoundWrapper):
     """APPLY_MODEL wrapper (each device's clone of a MultiGPU split runs the same one, each in its own lane)."""
 
     def __call__(self, executor, *args, **kwargs):
         ov = self.override
+        if ov.nan_net:  # a forward the net may compute again: each attempt gets the ControlNet residuals whole
+
+            def forward():
+                a, kw = whole_control(args, kwargs)
+                return executor(*a, **kw)
+        else:
+
+            def forward():
+                return executor(*args, **kwargs)
+
         x = args[0] if args else kwargs.get("x")
         ln = ov.lane(x.device if isinstance(x, torch.Tensor) else None)
         cfg = ln.config
@@ -70,7 +100,7 @@ class ForwardWrapper(BoundWrapper):
             cfg.check_finite = "deferred" if per_call else False
         cfg.in_forward = True
         try:
-            out = executor(*args, **kwargs)
+            out = forward()
             bad = []
             if per_call:
                 bad = cfg.take_nonfinite()
@@ -80,14 +110,14 @@ class ForwardWrapper(BoundWrapper):
                 if not bool(output_flag(out).isfinite()):
                     cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
                     ln.layer = 0
-                    out = executor(*args, **kwargs)
+                    out = forward()
                     bad = cfg.take_nonfinite()
             if bad:
                 # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
                 # sampling run, and the forward is computed again.
                 ov.mark_nonfinite(bad, ln)
                 ln.layer = 0
-                out = executor(*args, **kwargs)
+                out = forward()
                 cfg.take_nonfinite()
             if ln.first_forward and ln.layer == 0 and not ov.traced_host and ov.replaced_by is None:
                 # no attention call of the run's first forward reached the override, though it is on the hook (only
