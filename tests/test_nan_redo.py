@@ -5,7 +5,6 @@ against unpatched, where SDXL alone gave 0.018)."""
 
 import pytest
 import torch
-
 from conftest import capture
 
 pytestmark = pytest.mark.comfyui
