@@ -149,8 +149,11 @@ def flux_controlnet(cls, gpu):
     neg = [[torch.zeros_like(ctx), {"pooled_output": torch.zeros(1, cfg["vec_in_dim"]), "guidance": 3.5}]]
     hint = torch.rand(1, hw * 8, hw * 8, 3, generator=_g(12))  # an IMAGE (B, H, W, C): a preprocessed edge map
     std = 0.06 if gpu else 0.1
+    # the ControlNet lives where the GPU zoo samples (ComfyUI's ControlNet object moves only its inputs)
+    device = "cuda" if gpu and torch.cuda.is_available() else "cpu"
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
 
-    def controlnet(dtype=torch.float32, device="cpu"):
+    def controlnet(dtype=dtype, device=device):
         cm = comfy.ldm.flux.controlnet.ControlNetFlux(mistoline=False, operations=comfy.ops.disable_weight_init,
                                                       device=device, dtype=dtype, **dict(cfg, depth_single_blocks=0))
         gc = _g(11)
@@ -161,7 +164,7 @@ def flux_controlnet(cls, gpu):
         return comfy.controlnet.ControlNet(cm, load_device=torch.device(device), manual_cast_dtype=None,
                                            extra_conds=["y", "guidance"])
 
-    def apply(positive, negative, dtype=torch.float32, device="cpu"):
+    def apply(positive, negative, dtype=dtype, device=device):
         """The ControlNet in ``dtype`` on ``device`` applied to the conditionings (replacing one applied before)."""
         def plain(cond):
             return [[c, {k: v for k, v in d.items() if k not in ("control", "control_apply_to_uncond")}] for c, d in cond]
@@ -171,7 +174,7 @@ def flux_controlnet(cls, gpu):
 
     pos, neg = apply(pos, neg)
     return _case(unet_config=cfg, latent=(1, 16, hw, hw), positive=pos, negative=neg, init_std=std,
-                 outside_hook=CONTROLNET_OUTSIDE, extra={"reapply": apply},
+                 outside_hook=CONTROLNET_OUTSIDE,
                  notes="XLabs-style ControlNet (1 double block), strength 0.8")
 
 
