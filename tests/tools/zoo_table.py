@@ -106,6 +106,35 @@ def gpu_cells(g: dict | None) -> tuple[str, str]:
     return cell, fb
 
 
+def merge_gpu(gpu: list[dict]):
+    """Several GPU runs (parts, or runs of other backends on the same machine) as one: per configuration the runs of
+    every backend. A run made before the bound included the model's bf16 rounding floor is held to its class plus the
+    floor another run measured for that configuration."""
+    res, meta, not_reached, unbuilt = {}, [], set(), {}
+    for d in gpu:
+        meta.append(d.get("meta", {}))
+        not_reached.update(d.get("not_reached", []))
+        unbuilt.update(d.get("unbuilt", {}))
+        for name, r in d.get("results", {}).items():
+            have = res.get(name)
+            if have is None or "crash" in have:
+                res[name] = json.loads(json.dumps(r))
+            elif "crash" not in r:
+                for key in ("rounding_floor", "dtype", "model"):
+                    if key in r:
+                        have.setdefault(key, r[key])
+                for b, run in r.get("runs", {}).items():
+                    have.setdefault("runs", {})[b] = dict(run, floor_applied="rounding_floor" in r)
+    for r in res.values():
+        floor = r.get("rounding_floor")
+        for run in r.get("runs", {}).values():
+            if floor and run.pop("floor_applied", True) is False and "rel_l1" in run:
+                run["bound_rel_l1"] += floor
+                run["ok"] = bool(run.get("finite")) and run["rel_l1"] <= run["bound_rel_l1"]
+    not_reached -= {n for n, r in res.items() if r.get("runs")}
+    return res, meta, not_reached, unbuilt
+
+
 def render(cpu: list[dict], gpu: list[dict]) -> str:
     releases = sorted({d["release"] for d in cpu}, key=version_key)
     by_name: dict[str, dict] = defaultdict(dict)  # name -> release -> entry
@@ -118,12 +147,7 @@ def render(cpu: list[dict], gpu: list[dict]) -> str:
             by_name[name][d["release"]] = e
         for name, why in d.get("unbuilt", {}).items():
             unbuilt[name][d["release"]] = why
-    gpu_res, gpu_meta, not_reached, gpu_unbuilt = {}, [], set(), {}
-    for d in gpu:
-        gpu_res.update(d.get("results", {}))
-        gpu_meta.append(d.get("meta", {}))
-        not_reached.update(d.get("not_reached", []))
-        gpu_unbuilt.update(d.get("unbuilt", {}))
+    gpu_res, gpu_meta, not_reached, gpu_unbuilt = merge_gpu(gpu)
     order = []
     for d in sorted(cpu, key=lambda d: version_key(d["release"]), reverse=True):
         for n in d.get("listed", list(d["configurations"])):
@@ -144,10 +168,14 @@ def render(cpu: list[dict], gpu: list[dict]) -> str:
              ]
     if gpu_meta:
         m = gpu_meta[0]
+        backends = list(dict.fromkeys(b for mm in gpu_meta for b in mm.get("backends", [])))
+        dates = sorted({mm.get("date", "?")[:10] for mm in gpu_meta})
         lines.append(f"- **GPU** ({m.get('gpu', '?')}, {m.get('dtype', 'bf16 or the first supported dtype')}, ComfyUI "
-                     f"{m.get('comfyui', '?')}, torch {m.get('torch', '?')}, {m.get('date', '?')}): every installed "
-                     f"backend ({', '.join(m.get('backends', []))}) against unpatched, each final latent within its "
-                     "backend's accuracy class.")
+                     f"{m.get('comfyui', '?')}, torch {m.get('torch', '?')}, {', '.join(dates)}"
+                     f"{f', {len(gpu_meta)} runs' if len(gpu_meta) > 1 else ''}): every installed backend "
+                     f"({', '.join(backends)}) against unpatched, 2 steps; each final latent within its backend's "
+                     "accuracy class plus the model's bf16 rounding floor (its unpatched bf16 latent against the same "
+                     "weights in fp32: on random weights a few steps amplify rounding).")
     else:
         lines.append("- **GPU**: not run yet for this page (`bash tests/gpu/run.sh env zoo`, then this tool with `--gpu`).")
     lines += ["",
@@ -208,6 +236,7 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", nargs="*", help="CPU results (default: .build/artifacts/zoo-<release>.json)")
     ap.add_argument("--gpu", nargs="*", default=[], help="GPU results (zoo-gpu-*.json), or folders holding them")
     ap.add_argument("--out", default=os.path.join(ROOT, "docs", "models.md"))
+    ap.add_argument("--note", action="append", default=[], help="a line for the page's notes (repeatable)")
     a = ap.parse_args(argv)
     cpu_paths = a.cpu if a.cpu else sorted(p for p in glob.glob(os.path.join(ROOT, ".build", "artifacts", "zoo-*.json"))
                                            if not os.path.basename(p).startswith("zoo-gpu"))
@@ -217,6 +246,8 @@ def main(argv=None) -> int:
     for p in a.gpu:
         gpu_paths += sorted(glob.glob(os.path.join(p, "zoo-gpu*.json"))) if os.path.isdir(p) else [p]
     text = render(load(cpu_paths), load(gpu_paths))
+    if a.note:
+        text += "\n## Notes\n\n" + "".join(f"- {n}\n" for n in a.note)
     with open(a.out, "w") as f:
         f.write(text)
     print(f"zoo_table: {a.out} from {len(cpu_paths)} CPU and {len(gpu_paths)} GPU result files")
