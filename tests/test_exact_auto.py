@@ -19,6 +19,7 @@ import pytest
 import torch
 from conftest import cos_rel, sdpa_ref
 from pack import load
+from test_override_safety import _qkv, host_attention_pytorch
 
 P = load()
 A = P.attention
@@ -76,24 +77,6 @@ def _timer(calls, times=TIMES):
 
 def _exact(calls, times=TIMES, **kw):
     return A.AutoSelector.exact(timer=_timer(calls, times), exclude=_others(), **kw)
-
-
-def _qkv(n=32, heads=2, d=16, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randn(1, n, heads * d, generator=g) for _ in range(3)]
-
-
-def host_attention_pytorch():
-    """A stand-in with the name and module of ComfyUI's attention_pytorch: SDPA, counting its calls."""
-    calls = []
-
-    def attention_pytorch(q, k, v, heads, mask=None, attn_precision=None, skip_reshape=False, skip_output_reshape=False,
-                          **kwargs):
-        calls.append(1)
-        return sdpa_ref(q, k, v, heads, mask).to(q.dtype)
-
-    attention_pytorch.__module__ = "comfy.ldm.modules.attention"
-    return attention_pytorch, calls
 
 
 def _forwards(ov, func, sigmas, layers=1, call_kw=None, qkv=None):

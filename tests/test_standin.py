@@ -7,7 +7,6 @@ the end-to-end benchmark's quality columns against its fp32 copy.
 
 import importlib.util
 import os
-import sys
 
 import pytest
 import torch
@@ -20,13 +19,10 @@ GRID = (2, 8, 12)  # latent T, H, W: 2 x 4 x 6 = 48 tokens
 
 
 def _standin():
-    name = "patch_attention_standin_test"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "tools", "standin.py"))
-        mod = importlib.util.module_from_spec(spec)
-        sys.modules[name] = mod
-        spec.loader.exec_module(mod)
-    return sys.modules[name]
+    """tools/standin.py as the benchmark loads it."""
+    from bench_e2e import standin_module
+
+    return standin_module()
 
 
 @pytest.fixture(scope="module")
