@@ -3,6 +3,7 @@
     python tests/tools/make_workflows.py                        # the JSON files
     python tests/tools/make_workflows.py --thumbnails .build/artifacts
                                     # workflows/<name>.jpg (template browser) from tests/test_browser.py's screenshots
+    python tests/tools/make_workflows.py --captions [NAME...]   # only the description band of existing thumbnails
 
 tests/test_workflows.py checks every node type and widget in the output against the node definitions
 (ComfyUI's own where a ComfyUI is found, this pack's always).
@@ -81,11 +82,11 @@ PATCH_NOTE = (
     "Patch Attention: the model that comes out attends with the backend you pick; the model that goes in is "
     "untouched.\n\n"
     "Try first: backend = auto. On the first run it times the kernels this GPU can run on your model's attention "
-    "calls and keeps the fastest that stays close to exact attention (remembered for later runs). log_stats prints "
-    "which kernel ran, per call kind, after each run.\n\n"
-    "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to "
-    "SDPA, counted. start/end_percent: use the kernel only in this part of the schedule. dense_layers: layers kept "
-    "exact ('0-3, 10'). check_finite: redo a step whose 8-bit kernel returned NaN. sparse_start_percent: sparse "
+    "calls and keeps the fastest that stays close to exact attention (remembered for later runs); auto_exact does the "
+    "same among exact kernels only. log_stats prints which kernel ran, per call kind, after each run.\n\n"
+    "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to the "
+    "fastest exact kernel, counted. start/end_percent: use the kernel only in this part of the schedule. "
+    "dense_layers: layers kept exact ('0-3, 10'). check_finite: redo a step whose 8-bit kernel returned NaN. sparse_start_percent: sparse "
     "kernels (SpargeAttn, Sol-Attn) only from this part of the schedule on.\n\n"
     "Attention Backends Info (below) shows what is installed and why a kernel cannot run here."
 )
@@ -96,29 +97,36 @@ def _rows(name):
         return {(r["preset"], r["row"]): r for r in json.load(f)["rows"]}
 
 
+def _shares(kernels: str) -> str:
+    """'flash_attn4 67%, sdpa_cudnn 33% (auto: ...)' -> 'flash_attn4 for 67 % of the calls, sdpa_cudnn for 33 %'."""
+    parts = [p.strip().rsplit(" ", 1) for p in kernels.split(" (")[0].split(",")]
+    text = [f"{name} for {share.rstrip('%')} %" for name, share in parts]
+    return ", ".join([text[0] + " of the calls", *text[1:]])
+
+
 def measured():
     """What each template's note quotes, from the run's own data file (docs/data), so that the notes, README and
     docs/end-to-end.md quote one number."""
-    wan = _rows("e2e-core-whole-wan-1.3b-h100.json")
+    wan = _rows("e2e-exact-wan-1.3b-h100.json")
     unp, auto = wan[("wan-1.3b", "unpatched")], wan[("wan-1.3b", "auto")]
-    flux = _rows("e2e-core-image-h100.json")[("flux-dev", "auto")]
+    flux = _rows("e2e-exact-image-h100.json")[("flux-dev", "auto")]
     img = _rows("e2e-image-h100-paired.json")
     sd15, sdxl = img[("sd15", "auto")]["paired"]["vs_unpatched"], img[("sdxl", "auto")]["paired"]["vs_unpatched"]
     return {
         "wan": f"\u00d7{auto['whole_vs_unpatched']:.2f}",
         "wan_exact": f"\u00d7{auto['whole_vs_unpatched']:.3f}",
         "wan_note": (
-            f"Measured on one H100 with ComfyUI 0.33, this model at this size (480p, 81 frames), 10 steps, random "
-            f"weights: auto took {auto['s_per_step_whole']:.2f} s per step against {unp['s_per_step_whole']:.2f} s "
-            f"unpatched (ComfyUI's own attention, which runs PyTorch's flash kernel there): "
-            f"\u00d7{auto['whole_vs_unpatched']:.2f} over the whole run. Other GPUs are not measured: the Attention "
-            "Benchmark (end to end) node measures yours."),
+            f"Measured on one H100 with ComfyUI 0.33, this model at this size (480p, 81 frames), {auto['steps']} steps, "
+            f"random weights: auto took {auto['s_per_step_whole']:.2f} s per step against "
+            f"{unp['s_per_step_whole']:.2f} s unpatched (ComfyUI's own attention, which runs PyTorch's flash kernel "
+            f"there): \u00d7{auto['whole_vs_unpatched']:.2f} over the whole run. Other GPUs are not measured: the "
+            "Attention Benchmark (end to end) node measures yours."),
         "flux": f"\u00d7{flux['vs_unpatched']:.2f}",
         "flux_note": (
             f"Measured on one H100 with ComfyUI 0.33, Flux-dev at 1024x1024, random weights: auto ran "
             f"\u00d7{flux['vs_unpatched']:.2f} per step against unpatched (ComfyUI's own attention, PyTorch's flash "
-            "kernel there; auto picked cuDNN). Other GPUs are not measured: the Attention Benchmark (end to end) node "
-            "measures yours."),
+            f"kernel there; auto ran {_shares(flux['kernels'])}). Other GPUs are not measured: the "
+            "Attention Benchmark (end to end) node measures yours."),
         "sd_note": (
             "Measured on one H100 with ComfyUI 0.3.64, random weights, 20 rounds: against unpatched, auto ran "
             f"SD1.5 \u00d7{sd15[0]:.2f} (95 % interval {sd15[1]:.2f}-{sd15[2]:.2f}) and SDXL \u00d7{sdxl[0]:.2f} "
@@ -375,9 +383,7 @@ DESCRIPTIONS = {
 
 def thumbnails(shots: str, size: int = 512):
     """workflows/<name>.jpg: the graph (from tests/test_browser.py's screenshot) above the template's description."""
-    import textwrap
-
-    from PIL import Image, ImageChops, ImageDraw, ImageFont
+    from PIL import Image, ImageChops, ImageFont
 
     band = 150
     font = ImageFont.load_default(size=26)
@@ -390,13 +396,37 @@ def thumbnails(shots: str, size: int = 512):
         shot.thumbnail((size - 16, size - band - 16))
         card = Image.new("RGB", (size, size), (32, 32, 36))
         card.paste(shot, ((size - shot.width) // 2, 8 + (size - band - 16 - shot.height) // 2))
-        draw = ImageDraw.Draw(card)
-        draw.rectangle((0, size - band, size, size), fill=(20, 20, 24))
-        text = DESCRIPTIONS[name].replace("\u00d7", "x")  # the built-in font has no multiplication sign
-        for i, line in enumerate(textwrap.wrap(text, 36)[:4]):
-            draw.text((16, size - band + 12 + 32 * i), line, font=font, fill=(235, 235, 235))
+        caption(card, name, band, font)
         card.save(os.path.join(OUT, f"{name}.jpg"), quality=88)
     print("thumbnails for", ", ".join(WORKFLOWS))
+
+
+def caption(card, name: str, band: int = 150, font=None):
+    """The template's description in the band at the bottom of its thumbnail ``card`` (drawn over what is there)."""
+    import textwrap
+
+    from PIL import ImageDraw, ImageFont
+
+    font = font or ImageFont.load_default(size=26)
+    size = card.height
+    draw = ImageDraw.Draw(card)
+    draw.rectangle((0, size - band, card.width, size), fill=(20, 20, 24))
+    text = DESCRIPTIONS[name].replace("\u00d7", "x")  # the built-in font has no multiplication sign
+    for i, line in enumerate(textwrap.wrap(text, 36)[:4]):
+        draw.text((16, size - band + 12 + 32 * i), line, font=font, fill=(235, 235, 235))
+
+
+def recaption(names=()):
+    """Redraw only the description band of the existing thumbnails (``names``, or all), after a measured number
+    changed, keeping the graph above it: no screenshots needed."""
+    from PIL import Image
+
+    for name in names or WORKFLOWS:
+        path = os.path.join(OUT, f"{name}.jpg")
+        card = Image.open(path).convert("RGB")
+        caption(card, name)
+        card.save(path, quality=88)
+    print("captions for", ", ".join(names or WORKFLOWS))
 
 
 def main():
@@ -404,6 +434,8 @@ def main():
 
     if "--thumbnails" in sys.argv:
         return thumbnails(sys.argv[sys.argv.index("--thumbnails") + 1])
+    if "--captions" in sys.argv:
+        return recaption(sys.argv[sys.argv.index("--captions") + 1:])
     os.makedirs(os.path.join(OUT, "api"), exist_ok=True)
     for stale in glob.glob(os.path.join(OUT, "*.json")) + glob.glob(os.path.join(OUT, "api", "*.json")):
         if os.path.splitext(os.path.basename(stale))[0] not in WORKFLOWS:  # a template renamed or dropped
