@@ -88,6 +88,10 @@ def main(argv=None):
     from comfy.cli_args import args as comfy_args
 
     comfy_args.disable_smart_memory = True  # every row on the same resident weights
+    if a.dynamic_vram:  # before any comfy module: comfy_aimdo.host_buffer binds the native library when imported
+        import comfy_aimdo.control
+
+        comfy_aimdo.control.init()
     import torch
     from tqdm import tqdm
 

@@ -17,8 +17,11 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import re
 import statistics
+import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 
@@ -431,7 +434,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             models[row] = m
         except Exception as e:  # one row's failure is a row in the table, not the end of the benchmark
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
-            log.warning("e2e %s %s: %s", job.label, row, r["error"])
+            log.warning("e2e %s %s: %s", job.label, row, r["error"], exc_info=True)
         out_rows.append(r)
     times = {row: [] for row in models}
     wholes = {row: [] for row in models}
@@ -758,6 +761,10 @@ def enable_dynamic_vram() -> None:
     import comfy_aimdo.control
 
     comfy_aimdo.control.init()
+    hb = sys.modules.get("comfy_aimdo.host_buffer")
+    if hb is not None and hb.lib is None:  # imported (by comfy.model_patcher) before the library was loaded
+        raise RuntimeError("comfy-aimdo's library was loaded after ComfyUI's modules were imported: call "
+                           "comfy_aimdo.control.init() first, as ComfyUI's main.py does")
     if not comfy_aimdo.control.init_devices(d.index for d in mm.get_all_torch_devices()):
         raise RuntimeError("comfy-aimdo did not initialise on this machine")
     comfy.model_patcher.CoreModelPatcher = comfy.model_patcher.ModelPatcherDynamic
@@ -785,11 +792,23 @@ def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0, dynamic
             else:
                 p.zero_()
     dev = torch.device(device)
-    if dynamic:
+    if dev.type == "cuda" and dev.index is None:  # ComfyUI's load devices name their index (comfy-aimdo needs it)
+        dev = torch.device("cuda", torch.cuda.current_device())
+    if dynamic:  # as ComfyUI loads a model file: its weights memory-mapped by comfy-aimdo, streamed to the GPU
         import comfy.model_management as mm
+        import comfy.utils
 
-        patcher = comfy.model_patcher.ModelPatcherDynamic(model.to(mm.unet_offload_device()), load_device=dev,
-                                                          offload_device=mm.unet_offload_device())
+        sd = {k: t.to("cpu") for k, t in model.diffusion_model.state_dict().items()}
+        del model
+        path = os.path.join(tempfile.mkdtemp(prefix="pa-e2e-"), f"{name}.safetensors")
+        comfy.utils.save_torch_file(sd, path)
+        del sd
+        sd = comfy.utils.load_torch_file(path)  # what comfy.sd.load_diffusion_model_state_dict does, without detection
+        mc = getattr(sm, cls)(model_config(cls, unet))
+        mc.set_inference_dtype(dtype, None)
+        model = mc.get_model(sd, "")
+        patcher = comfy.model_patcher.ModelPatcherDynamic(model, load_device=dev, offload_device=mm.unet_offload_device())
+        model.load_model_weights(sd, "", assign=True)
     else:
         patcher = comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=dev)
     gc = torch.Generator().manual_seed(seed + 1)

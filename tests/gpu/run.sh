@@ -34,6 +34,8 @@
 #                  (ROUNDS=n, ROWS=a,b; e2e-core-whole-720p: Wan 1.3B 720p/81f, 8 steps, the Sol-Attn rows and auto)
 #   dynamic        ComfyUI 0.33's dynamic (comfy-aimdo) model patcher under Patch Attention: Wan 1.3B 33 frames
 #   vram           peak VRAM of one step of Wan 14B 720p/81f with and without 0.33's attention tensor containers
+#   vram-trace     the allocations alive at the peak of one step, per row, and where they were made
+#   vram-calls     one Wan 14B 720p attention call: memory beyond q/k/v per backend (through the pack and called directly)
 #   e2e-compile    end-to-end under torch.compile (inductor): Flux-dev and Wan 1.3B, main rows (e2e-compile-flux:
 #                  Flux, 6 rounds; e2e-compile-wan: Wan, compiled rows only, 2 rounds)
 #   install        install.py for real, its pinned sources served from .src by --mirror (clean state), then again
@@ -145,8 +147,17 @@ stage_e2e-core-whole-720p() {
 stage_dynamic() {
   e2e dynamic 100 --preset wan-1.3b-33f --steps 2 --dynamic-vram --rows unpatched,sage_fp8_sm90,auto
 }
+stage_vram-calls() {  # one Wan 14B 720p attention call: the memory each row allocates beyond q/k/v
+  timeout 200 $PY tests/gpu/vram.py --calls --preset "${PRESET:-wan-14b-720p}" \
+    --rows "${ROWS:-sdpa,sdpa_cudnn,flash_attn4,sage,sage_fp8_sm90,sage_fp16_cuda,kitchen_int8,kitchen_sol,sparge}" \
+    --md "$OUT/vram-calls.md" --json "$OUT/vram-calls.json" 2>&1 | tail -n 30
+}
+stage_vram-trace() {  # what is alive at one step's peak, per row (PRESET, ROWS)
+  timeout 560 $PY tests/gpu/vram.py --trace --preset "${PRESET:-wan-14b-720p}" --rows "${ROWS:-unpatched,sage_fp8_sm90}" \
+    --md "$OUT/vram-trace.md" --json "$OUT/vram-trace.json" 2>&1 | tail -n 80
+}
 stage_vram() {
-  timeout 580 $PY tests/gpu/vram.py --preset wan-14b-720p --rows unpatched,sage_fp8_sm90 --md "$OUT/vram.md" \
+  timeout 580 $PY tests/gpu/vram.py --preset wan-14b-720p --rows "${ROWS:-unpatched,sage_fp8_sm90}" --modes "${VRAM_MODES:-plain,containers}" --md "$OUT/vram.md" \
     --json "$OUT/vram.json" 2>&1 | tail -n 20
 }
 
@@ -280,7 +291,7 @@ stage_zoo() {
   grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
 }
 
-[ $# -gt 0 ] || { sed -n '2,68p' "$0"; exit 2; }
+[ $# -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
