@@ -62,7 +62,7 @@
 #                  ComfyUI's own function beside it (run once per carried ComfyUI release)
 #   e2e-exact      Wan 1.3B 480p/81f, 10 steps, whole runs: unpatched, sdpa_cudnn, flash_attn4, auto_exact, auto and the
 #                  explicit sparse rows (their dense steps on the fastest exact kernel); rows not usable here are left out
-#                  (STEPS, ROWS and E2E_LIMIT override; e2e-exact-720p: Wan 1.3B 720p/81f, 2 steps, the exact rows)
+#                  (PRESET, STEPS, ROWS and E2E_LIMIT override; e2e-exact-720p: Wan 1.3B 720p/81f, 2 steps, the exact rows)
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
@@ -231,7 +231,7 @@ stage_exact-auto() {
   timeout 300 $PY tests/gpu/exact_auto.py --md "$OUT/exact-auto.md" --json "$OUT/exact-auto.json" 2>&1 | tail -n 30
 }
 stage_e2e-exact() {
-  e2e e2e-exact "${E2E_LIMIT:-570}" --preset wan-1.3b --steps "${STEPS:-10}" \
+  e2e e2e-exact "${E2E_LIMIT:-570}" --preset "${PRESET:-wan-1.3b}" --steps "${STEPS:-10}" \
     --rows "$(avail_rows "${ROWS:-unpatched,sdpa_cudnn,flash_attn4,auto_exact,auto,kitchen_sol,sparge}")"
 }
 stage_e2e-exact-720p() {
