@@ -103,28 +103,40 @@ def default_cache_path() -> str:
     return os.path.join(base, "patch_attention", "auto.json")
 
 
-def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5, rounds: int = 3) -> float:
-    """Per-call ms: median over ``rounds`` of ``reps`` back-to-back calls (CUDA events on GPU, perf_counter elsewhere)."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        for _ in range(rounds):
+def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5, rounds: int = 3,
+              long_ms: float | None = None) -> float:
+    """Per-call ms: median over ``rounds`` of ``reps`` back-to-back calls (CUDA events on GPU, perf_counter elsewhere).
+    ``long_ms``: when the first warm-up call takes longer (video-size attention), the rest of the warm-up is skipped
+    and each round is one call: one call's noise is then far below the margins decisions use, and 17 calls of half a
+    second per kernel made measuring a 14B model at 720p take minutes."""
+    cuda = device.type == "cuda"
+
+    def elapsed(n: int) -> float:  # ms per call of n back-to-back calls
+        if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             s.record()
-            for _ in range(reps):
+            for _ in range(n):
                 fn()
             e.record()
             e.synchronize()
-            times.append(s.elapsed_time(e) / reps)
-    else:
-        for _ in range(rounds):
-            t = time.perf_counter()
-            for _ in range(reps):
-                fn()
-            times.append((time.perf_counter() - t) * 1000 / reps)
-    return statistics.median(times)
+            return s.elapsed_time(e) / n
+        t = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t) * 1000 / n
+
+    if cuda:
+        torch.cuda.synchronize(device)
+    if warmup > 0 and long_ms is not None:
+        if elapsed(1) > long_ms:
+            warmup, reps = 0, 1
+        else:
+            warmup -= 1
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize(device)
+    return statistics.median(elapsed(reps) for _ in range(rounds))
 
 
 @dataclass
@@ -148,6 +160,7 @@ class AutoSelector:
     retune: bool = False
     warmup: int = 2
     reps: int = 5
+    long_call_ms: float = 25.0  # calls longer than this are timed one at a time (see time_call)
     timer: Callable | None = None  # (name, fn, device) -> ms
     margin: float = 0.05  # a candidate replaces sdpa only when this much faster per call
     # per signature: candidates not reached after this much timing are skipped (SDPA is always timed). Each candidate's
@@ -326,7 +339,7 @@ class AutoSelector:
                     if self.timer is not None:
                         c.ms = self.timer(name, call, q4.device)
                     else:
-                        c.ms = time_call(call, q4.device, self.warmup, self.reps)
+                        c.ms = time_call(call, q4.device, self.warmup, self.reps, long_ms=self.long_call_ms)
                 except Exception as e:
                     c.error = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
                     c.passed = False

@@ -154,6 +154,31 @@ def test_accuracy_is_exact_on_millions_of_equal_elements():
     assert abs(cos + 1.0) < 1e-9 and abs(rel - 2.0) < 1e-9
 
 
+def test_long_calls_are_timed_one_at_a_time():
+    """auto's timing of a video-size call (longer than long_ms): one warm-up call, then three single calls; short
+    calls keep the full warm-up and rounds, and so does every call without long_ms (the benchmarks)."""
+    import time as _time
+
+    from attention.auto import time_call
+
+    cpu, n = torch.device("cpu"), {"calls": 0}
+
+    def slow():
+        n["calls"] += 1
+        _time.sleep(0.03)
+
+    def fast():
+        n["calls"] += 1
+
+    assert 25 <= time_call(slow, cpu, long_ms=25.0) < 1000 and n["calls"] == 1 + 3
+    n["calls"] = 0
+    time_call(fast, cpu, long_ms=25.0)
+    assert n["calls"] == 2 + 3 * 5
+    n["calls"] = 0
+    time_call(slow, cpu)
+    assert n["calls"] == 2 + 3 * 5
+
+
 def test_a_candidate_must_beat_sdpa_by_the_margin(temp_backend):
     """A kernel-level win of a few percent does not survive end to end (host time per call, noise): SDPA is kept."""
     temp_backend(_sdpa_backend("t_close"))
