@@ -99,8 +99,8 @@ def main(argv=None):
     e2e = importlib.import_module(pack.__name__ + ".nodes.e2e")
     if not torch.cuda.is_available():
         sys.exit("bench_e2e: needs a CUDA GPU")
-    if a.dynamic_vram:
-        e2e.enable_dynamic_vram()
+    if a.dynamic_vram and len(a.preset or []) != 1:
+        ap.error("--dynamic-vram takes one --preset (its model is built before dynamic VRAM is switched on)")
     presets = a.preset or list(e2e.PRESETS)
     unknown = [p for p in presets if p not in e2e.PRESETS and p not in STANDIN_PRESETS]
     if unknown:

@@ -760,6 +760,8 @@ def enable_dynamic_vram() -> None:
     import comfy.model_patcher
     import comfy_aimdo.control
 
+    if comfy.memory_management.aimdo_enabled:
+        return
     comfy_aimdo.control.init()
     hb = sys.modules.get("comfy_aimdo.host_buffer")
     if hb is not None and hb.lib is None:  # imported (by comfy.model_patcher) before the library was loaded
@@ -778,6 +780,11 @@ def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0, dynamic
     import comfy.supported_models as sm
 
     cls, unet, latent, ctx, pooled, cfg, desc = PRESETS[name]
+    if dynamic:
+        import comfy.memory_management
+
+        if comfy.memory_management.aimdo_enabled:  # its layers would have no weights to fill (they load lazily)
+            raise RuntimeError("a dynamic-VRAM preset is built before dynamic VRAM is switched on: one per process")
     mc = getattr(sm, cls)(model_config(cls, unet))
     mc.set_inference_dtype(dtype, None)
     model = mc.get_model({}, device=device)
@@ -803,6 +810,7 @@ def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0, dynamic
         path = os.path.join(tempfile.mkdtemp(prefix="pa-e2e-"), f"{name}.safetensors")
         comfy.utils.save_torch_file(sd, path)
         del sd
+        enable_dynamic_vram()
         sd = comfy.utils.load_torch_file(path)  # what comfy.sd.load_diffusion_model_state_dict does, without detection
         mc = getattr(sm, cls)(model_config(cls, unet))
         mc.set_inference_dtype(dtype, None)
