@@ -148,22 +148,23 @@ def _hunyuan3d_case(cfg, gpu, init_std, outside="", extra=None):
                 norm_init=0.1, cfg=5.0, extra=extra or {})
 
 
+def _hunyuan3d_v2_case(gpu, guidance_embed):
+    hidden = 128 if gpu else 64
+    cfg = dict(in_channels=64, context_in_dim=1536, hidden_size=hidden, mlp_ratio=4.0, num_heads=2, depth=1,
+               depth_single_blocks=1, qkv_bias=True, guidance_embed=guidance_embed)
+    return _hunyuan3d_case(cfg, gpu, 0.1 if gpu else 0.12)
+
+
 @family("Hunyuan3Dv2")
 def hunyuan3d_v2(cls, gpu):
     """Hunyuan3D 2.0: Flux double/single-stream blocks without RoPE. GPU: heads of 64 (the real head dim)."""
-    hidden = 128 if gpu else 64
-    cfg = dict(in_channels=64, context_in_dim=1536, hidden_size=hidden, mlp_ratio=4.0, num_heads=2, depth=1,
-               depth_single_blocks=1, qkv_bias=True, guidance_embed=False)
-    return _hunyuan3d_case(cfg, gpu, 0.1 if gpu else 0.12)
+    return _hunyuan3d_v2_case(gpu, guidance_embed=False)
 
 
 @family("Hunyuan3Dv2mini")
 def hunyuan3d_v2_mini(cls, gpu):
     """Hunyuan3D 2 mini (Turbo): as 2.0, with the guidance embedder the distilled checkpoints carry."""
-    hidden = 128 if gpu else 64
-    cfg = dict(in_channels=64, context_in_dim=1536, hidden_size=hidden, mlp_ratio=4.0, num_heads=2, depth=1,
-               depth_single_blocks=1, qkv_bias=True, guidance_embed=True)
-    return _hunyuan3d_case(cfg, gpu, 0.1 if gpu else 0.12)
+    return _hunyuan3d_v2_case(gpu, guidance_embed=True)
 
 
 @family("Hunyuan3Dv2_1")
