@@ -581,27 +581,27 @@ def targets(rows: list[dict], tolerance: float = 0.02) -> list[dict]:
         peers = [r for name, r in ok.items() if name != "auto" and r["rel_l1"] <= auto["rel_l1"] + 1e-9]
         if peers:
             best = min(peers, key=lambda r: r["s_per_step"])
-            ratio = best["s_per_step"] / auto["s_per_step"]
-            out.append({"target": f"auto within {tolerance:.0%} of the best row at its error ({best['row']})",
-                        "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
-                        "detail": f"{len(peers)} rows with rel-L1 <= {auto['rel_l1']:.4f}"})
+            out.append(_within(f"auto within {tolerance:.0%} of the best row at its error ({best['row']})", auto, best,
+                               tolerance, f"{len(peers)} rows with rel-L1 <= {auto['rel_l1']:.4f}"))
     ax = ok.get(AUTO_EXACT)
     if ax is not None:
         exact = [r for name, r in ok.items() if name in REGISTRY and not REGISTRY.get(name).quantized]
         for label, ref in (("the best exact row", min(exact, key=lambda r: r["s_per_step"]) if exact else None),
                            ("unpatched", ok.get(UNPATCHED))):
             if ref is not None:
-                ratio = ref["s_per_step"] / ax["s_per_step"]
-                out.append({"target": f"auto_exact within {tolerance:.0%} of {label} ({ref['row']})",
-                            "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
-                            "detail": f"auto_exact rel-L1 {ax['rel_l1']:.4f} vs {ref['rel_l1']:.4f}"})
+                out.append(_within(f"auto_exact within {tolerance:.0%} of {label} ({ref['row']})", ax, ref, tolerance,
+                                   f"auto_exact rel-L1 {ax['rel_l1']:.4f} vs {ref['rel_l1']:.4f}"))
     sol, core = ok.get("kitchen_sol"), ok.get(CORE_SOL)
     if sol is not None and core is not None:
-        ratio = core["s_per_step"] / sol["s_per_step"]
-        out.append({"target": f"kitchen_sol within {tolerance:.0%} of {CORE_SOL}", "ratio": round(ratio, 3),
-                    "applies": True, "met": ratio >= 1 - tolerance,
-                    "detail": f"rel-L1 {sol['rel_l1']:.4f} vs {core['rel_l1']:.4f}"})
+        out.append(_within(f"kitchen_sol within {tolerance:.0%} of {CORE_SOL}", sol, core, tolerance,
+                           f"rel-L1 {sol['rel_l1']:.4f} vs {core['rel_l1']:.4f}"))
     return out
+
+
+def _within(target: str, row: dict, ref: dict, tolerance: float, detail: str) -> dict:
+    """The target "``row`` at most ``tolerance`` slower per step than ``ref``"."""
+    ratio = ref["s_per_step"] / row["s_per_step"]
+    return {"target": target, "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance, "detail": detail}
 
 
 def _ci(p) -> str:
@@ -678,10 +678,8 @@ def quality_targets(rows: list[dict], tolerance: float = 0.02, tolerance_db: flo
         better = [r for n, r in ok.items() if n != "auto" and r["psnr"] >= auto["psnr"]]
         if better:
             best = min(better, key=lambda r: r["s_per_step"])
-            ratio = best["s_per_step"] / auto["s_per_step"]
-            out.append({"target": f"auto within {tolerance:.0%} of the fastest row at its quality ({best['row']})",
-                        "ratio": round(ratio, 3), "applies": True, "met": ratio >= 1 - tolerance,
-                        "detail": f"{len(better)} rows with PSNR >= {_db(auto['psnr'])}"})
+            out.append(_within(f"auto within {tolerance:.0%} of the fastest row at its quality ({best['row']})", auto,
+                               best, tolerance, f"{len(better)} rows with PSNR >= {_db(auto['psnr'])}"))
         floor = auto.get("floor_psnr")
         if "whole_vs_unpatched" in auto and floor is not None:
             within = auto["psnr"] >= floor - tolerance_db
