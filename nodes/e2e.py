@@ -783,9 +783,13 @@ def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0, dynamic
 
         if comfy.memory_management.aimdo_enabled:  # its layers would have no weights to fill (they load lazily)
             raise RuntimeError("a dynamic-VRAM preset is built before dynamic VRAM is switched on: one per process")
-    mc = getattr(sm, cls)(model_config(cls, unet))
-    mc.set_inference_dtype(dtype, None)
-    model = mc.get_model({}, device=device)
+
+    def config():
+        mc = getattr(sm, cls)(model_config(cls, unet))
+        mc.set_inference_dtype(dtype, None)
+        return mc
+
+    model = config().get_model({}, device=device)
     g = torch.Generator(device=device).manual_seed(seed)
     with torch.no_grad():
         for pname, p in model.named_parameters():
@@ -810,9 +814,7 @@ def build_preset(name: str, device="cuda", dtype=torch.bfloat16, seed=0, dynamic
         del sd
         enable_dynamic_vram()
         sd = comfy.utils.load_torch_file(path)  # what comfy.sd.load_diffusion_model_state_dict does, without detection
-        mc = getattr(sm, cls)(model_config(cls, unet))
-        mc.set_inference_dtype(dtype, None)
-        model = mc.get_model(sd, "")
+        model = config().get_model(sd, "")
         patcher = comfy.model_patcher.ModelPatcherDynamic(model, load_device=dev, offload_device=mm.unet_offload_device())
         model.load_model_weights(sd, "", assign=True)
     else:
