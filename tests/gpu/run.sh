@@ -157,8 +157,8 @@ stage_vram-trace() {  # what is alive at one step's peak, per row (PRESET, ROWS)
     --md "$OUT/vram-trace.md" --json "$OUT/vram-trace.json" 2>&1 | tail -n 80
 }
 stage_vram() {
-  timeout 580 $PY tests/gpu/vram.py --preset wan-14b-720p --rows "${ROWS:-unpatched,sage_fp8_sm90}" --modes "${VRAM_MODES:-plain,containers}" --md "$OUT/vram.md" \
-    --json "$OUT/vram.json" 2>&1 | tail -n 20
+  timeout 580 $PY tests/gpu/vram.py --preset wan-14b-720p --rows "${ROWS:-unpatched,sage_fp8_sm90}" \
+    --modes "${VRAM_MODES:-plain,containers}" --md "$OUT/vram.md" --json "$OUT/vram.json" 2>&1 | tail -n 20
 }
 
 stage_matrix() {
