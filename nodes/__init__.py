@@ -1,6 +1,9 @@
 """ComfyUI adapter: V3 schema nodes where ComfyUI has ``comfy_api``, classic nodes otherwise."""
 
+from . import files
 from .v1 import NODE_CLASS_MAPPINGS, NODE_DISPLAY_NAME_MAPPINGS
+
+files.register()  # models/sparge_profiles, with folder_paths (extra_model_paths.yaml may add more)
 
 try:
     from .v3 import comfy_entrypoint

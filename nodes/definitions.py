@@ -21,6 +21,7 @@ from ..attention.sparge_profile import (
     fingerprint_state_dict,
 )
 from ..attention.sparge_tune import DEFAULT_BUDGET
+from . import files
 from .patch import SPARSE_START, patch_model, tune_model
 
 CATEGORY = "model_patches/attention"
@@ -43,6 +44,10 @@ class In:
     multiline: bool = False
     label: str = ""  # what the UI shows where it differs from the id saved in workflows
 
+    def choices(self) -> list:
+        """A COMBO's entries; ``options`` may be a function (a file list, read each time ComfyUI asks for the nodes)."""
+        return list(self.options() if callable(self.options) else self.options)
+
 
 @dataclass
 class Node:
@@ -54,6 +59,9 @@ class Node:
     fn: Callable
     output_node: bool = False
     category: str = CATEGORY
+    # checks some inputs before the run, in ComfyUI's prompt validation: ``validate(cls, <input names>...)`` returns
+    # True or the reason; an input it names skips core's own check (a profile list accepts the empty name of old files)
+    validate: Callable | None = None
 
 
 def backend_choices() -> list[str]:
@@ -164,17 +172,6 @@ class SpargeSettings:
         return self
 
 
-def resolve_profile_path(path: str) -> str:
-    if os.path.isabs(path) or os.path.exists(path):
-        return path
-    try:
-        import folder_paths
-
-        return os.path.join(folder_paths.models_dir, "sparge_profiles", path)
-    except Exception:
-        return path
-
-
 def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, profile="", report_error_every=0):
     opts = default_options(variant)
     opts.update({"simthreshd1": simthreshd1, "pvthreshd": pvthreshd})
@@ -182,22 +179,42 @@ def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, p
         opts["topk"] = topk
     else:
         opts["cdfthreshd"] = cdfthreshd
-    return (SpargeSettings(variant, opts, load_profile(profile, variant), int(report_error_every or 0)),)
+    return (SpargeSettings(variant, opts, load_profile(profile, variant, SPARGE_NAME), int(report_error_every or 0)),)
 
 
-def load_profile(profile: str, variant: str) -> SpargeProfile | None:
-    """The per-layer profile named in a settings node (None for an empty name), which must be ``variant``'s."""
-    if not (profile and profile.strip()):
+def load_profile(profile: str, variant: str, node: str) -> SpargeProfile | None:
+    """The per-layer profile chosen in ``node`` (None for none), a file in models/sparge_profiles, which must be
+    ``variant``'s."""
+    path = files.resolve_profile(profile, node)
+    if path is None:
         return None
-    prof = SpargeProfile.load(resolve_profile_path(profile.strip()))
+    prof = SpargeProfile.load(path)
     if prof.variant != variant:
-        raise ValueError(f"profile {profile} was tuned for {prof.variant}, this node selects {variant}")
+        raise ValueError(f"{node}: profile {profile.strip()} was tuned for {prof.variant}, this node selects {variant}")
     return prof
 
 
+def profile_validator(node: str):
+    """Prompt validation of ``node``'s profile input: none, empty (workflows saved before the list) or a listed file."""
+
+    def validate(cls, profile=None):
+        try:
+            files.resolve_profile(profile, node)
+        except files.FileNameError as e:
+            return str(e)
+        return True
+
+    return validate
+
+
+PROFILE_TOOLTIP = ("Optional per-layer profile from Tune Sparse Attention: a file in models/sparge_profiles (press R to "
+                   "refresh the list). Layers without an entry use the values above.")
+
+
+SPARGE_NAME = "SpargeAttn Settings"
 SPARGE = Node(
     node_id="SpargeAttnSettings",
-    display_name="SpargeAttn Settings",
+    display_name=SPARGE_NAME,
     description="Thresholds for the SpargeAttn backends of Patch Attention, per model, optionally per layer from a profile.",
     inputs=[
         In("variant", "COMBO", "sparge", "sparge: SpargeAttn on SageAttention2; sparge_topk: keep the top-k blocks; "
@@ -210,14 +227,14 @@ SPARGE = Node(
            min=BOUNDS["pvthreshd"][0], max=1000.0, step=1.0),
         In("topk", "FLOAT", 0.5, "sparge_topk only: fraction of key blocks kept per query block.", optional=True,
            min=0.0, max=1.0, step=0.01),
-        In("profile", "STRING", "", "Optional per-layer profile JSON (a path, or a file name in models/sparge_profiles). "
-           "Layers without an entry use the thresholds above.", optional=True),
+        In("profile", "COMBO", files.NONE, PROFILE_TOOLTIP, optional=True, options=files.profile_names),
         In("report_error_every", "INT", 0, "With Patch Attention's log_stats: per-layer sparsity, and every N-th call of a layer "
            "also its rel-L1 error vs dense SDPA (0: sparsity only). Costs a dense call each time.", optional=True,
            min=0, max=1000, step=1),
     ],
     outputs=[(SPARGE_TYPE, "sparse_settings")],
     fn=run_sparge_settings,
+    validate=profile_validator(SPARGE_NAME),
 )
 
 
@@ -230,12 +247,13 @@ def run_sol_settings(method, tau=SOL_DEFAULTS["tau"], keep_percent=100 * SOL_TOP
         opts["tau"] = float(tau)
     else:
         opts["keep_ratio"] = float(keep_percent) / 100.0
-    return (SpargeSettings(method, check_sol_options(opts), load_profile(profile, method)),)
+    return (SpargeSettings(method, check_sol_options(opts), load_profile(profile, method, SOL_NAME)),)
 
 
+SOL_NAME = "Sol-Attn Settings"
 SOL = Node(
     node_id="SolAttnSettings",
-    display_name="Sol-Attn Settings",
+    display_name=SOL_NAME,
     description="Options for comfy-kitchen's Sol-Attn kernels in Patch Attention (the kernel of ComfyUI's Model Sparse "
                 "Attention node), per model, optionally per layer from a tuned profile. Needs comfy-kitchen 0.2.40 or "
                 "later (ComfyUI 0.33 comes with 0.2.31: Attention Backends Info says how to add it).",
@@ -252,22 +270,15 @@ SOL = Node(
            "exactly beyond its blocks (0-256, multiples of 64): closer to dense for more time.", min=0, max=256, step=64),
         In("min_tokens", "INT", SOL_DEFAULTS["min_tokens"], "Calls with fewer tokens run dense (faster there).",
            min=0, max=1 << 20, step=512),
-        In("profile", "STRING", "", "Optional per-layer profile JSON from Tune Sparse Attention (a path, or a file name in "
-           "models/sparge_profiles). Layers without an entry use the values above.", optional=True),
+        In("profile", "COMBO", files.NONE, PROFILE_TOOLTIP, optional=True, options=files.profile_names),
     ],
     outputs=[(SPARGE_TYPE, "sparse_settings")],
     fn=run_sol_settings,
+    validate=profile_validator(SOL_NAME),
 )
 
 
 # ---------------------------------------------------------------- Tune Sparse Attention
-
-def profile_path(name: str) -> str:
-    name = name.strip() or "profile"
-    if not name.endswith(".json"):
-        name += ".json"
-    return name if os.path.isabs(name) else resolve_profile_path(name)
-
 
 def parse_pv_values(text: str) -> tuple:
     try:
@@ -282,12 +293,23 @@ def parse_pv_values(text: str) -> tuple:
 
 
 def run_tune(model, variant, error_budget, profile_name, pvthreshd_values="50"):
-    return (tune_model(model, variant, error_budget, profile_path(profile_name), parse_pv_values(pvthreshd_values)),)
+    name = files.check_plain_name(profile_name, TUNE_NAME)
+    return (tune_model(model, variant, error_budget, name, parse_pv_values(pvthreshd_values)),)
 
 
+def validate_tune(cls, profile_name=None):
+    """Prompt validation of the profile's file name: a plain name, before anything runs."""
+    try:
+        files.check_plain_name(profile_name, TUNE_NAME)
+    except files.FileNameError as e:
+        return str(e)
+    return True
+
+
+TUNE_NAME = "Tune Sparse Attention"
 TUNE = Node(
     node_id="TuneSpargeAttn",
-    display_name="Tune Sparse Attention",
+    display_name=TUNE_NAME,
     description="Connect between the model and a KSampler and run the graph once: every attention layer's sparse-attention "
                 "thresholds (SpargeAttn's, or Sol-Attn's tau / keep share) are searched against dense attention (the run "
                 "itself samples dense) and a per-layer profile is written to models/sparge_profiles. Load it with "
@@ -298,12 +320,14 @@ TUNE = Node(
            "Sol-Attn (kitchen_sol: tau per layer; kitchen_sol_topk: keep share per layer).", options=list(VARIANTS)),
         In("error_budget", "FLOAT", DEFAULT_BUDGET, "Largest relative L1 error vs dense attention a layer may have at any "
            "sampled call (SpargeAttn's own tuning criterion; its default is 0.07).", min=0.001, max=0.5, step=0.001),
-        In("profile_name", "STRING", "my_model", "File name in models/sparge_profiles (or an absolute path)."),
+        In("profile_name", "STRING", "my_model", "A plain file name (letters, digits, - and _; .json is added); the "
+           "profile is written to models/sparge_profiles. Folders and paths are not accepted."),
         In("pvthreshd_values", "STRING", "50", "SpargeAttn: pvthreshd values to search, comma-separated (each multiplies "
            "the tuning work); 50 is the library's default. Ignored for Sol-Attn.", optional=True),
     ],
     outputs=[("MODEL", "model")],
     fn=run_tune,
+    validate=validate_tune,
 )
 
 
@@ -324,8 +348,42 @@ def run_benchmark(presets, shapes="", dtype="bf16", reps=10):
     table = bench.parse_shapes(wanted if wanted else ([] if shape_list else None), shape_list)
     if not wanted and shape_list:
         table = {k: v for k, v in table.items() if k in shape_list}
+    check_shapes_fit(table, torch.device("cuda"))
     meta, rows = bench.run(table, dtype=dtype, reps=reps)
     return (bench.render_markdown(meta, rows, bench.PRESETS),)
+
+
+def shape_bytes(shape, device) -> int:
+    """What benchmarking one ``(B, H, N, D, Nk, ...)`` shape holds at once, generously: bf16 q/k/v and two outputs, the
+    fp32 reference, and on the CPU the attention matrix PyTorch's math kernel builds."""
+    b, h, n, d, nk = shape[:5]
+    nk = nk or n
+    held = b * h * (n * d * 2 * 3 + n * d * 2 * 2 + n * d * 4 + nk * d * 2 * 2)
+    if device.type != "cuda":
+        held += b * h * n * nk * 4 * 2
+    return held
+
+
+def check_shapes_fit(table: dict, device) -> None:
+    """A ValueError naming the shape, before anything is allocated, for a shape the device cannot hold (70 % of its
+    free memory) or one over 2^31 elements in a tensor (beyond what the kernels index)."""
+    import torch
+
+    if device.type == "cuda":
+        free = torch.cuda.mem_get_info(device)[0]
+    else:
+        import psutil
+
+        free = psutil.virtual_memory().available
+    for label, shape in table.items():
+        b, h, n, d, nk = shape[:5]
+        need = shape_bytes(shape, device)
+        if max(n, nk or n) * b * h * d >= 2**31:
+            raise ValueError(f"Attention Benchmark: shape {label} has over 2^31 elements in one tensor; use a smaller B, H "
+                             "or N")
+        if need > 0.7 * free:
+            raise ValueError(f"Attention Benchmark: shape {label} needs about {need / 2**30:.1f} GiB and "
+                             f"{device.type.upper()} memory has {free / 2**30:.1f} GiB free; use a smaller B, H or N")
 
 
 BENCH = Node(
@@ -355,6 +413,23 @@ def _sampling_options():
         return list(comfy.samplers.KSampler.SAMPLERS), list(comfy.samplers.KSampler.SCHEDULERS)
     except Exception:  # outside ComfyUI (tests of the node contract)
         return ["euler"], ["simple"]
+
+
+def validate_rows(cls, rows=None):
+    """Prompt validation of the end-to-end benchmark's rows: readable, and a profile they name is a listed file."""
+    from . import e2e
+
+    try:
+        for r in (rows or "").replace(";", ",").split(","):
+            if r.strip() and r.strip() != "all":
+                opts = e2e.parse_row(r.strip())[1]
+                if "profile" in opts:
+                    files.resolve_profile(opts["profile"], BENCH_E2E_NAME)
+    except files.FileNameError as e:
+        return str(e)
+    except ValueError as e:
+        return f"{BENCH_E2E_NAME}: {e}"
+    return True
 
 
 def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0, sampler_name="euler", scheduler="simple",
@@ -396,9 +471,10 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
 
 SAMPLERS, SCHEDULERS = _sampling_options()
 
+BENCH_E2E_NAME = "Attention Benchmark (end to end)"
 BENCH_E2E = Node(
     node_id="AttentionBenchmarkE2E",
-    display_name="Attention Benchmark (end to end)",
+    display_name=BENCH_E2E_NAME,
     description="Samples your model with your conditioning and latent once per attention backend (and unpatched, auto, "
                 "and peer patches that call a kernel straight from ComfyUI's hook): seconds per step, speed against "
                 "unpatched, how far each final latent is from the unpatched one (cosine, relative L1, PSNR and SSIM, beside "
@@ -416,13 +492,15 @@ BENCH_E2E = Node(
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
         In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, auto_exact, backend names, peer:<backend>, "
            "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention), "
-           "a sparse backend with options or a tuned profile: kitchen_sol[tau=2.0], sparge[profile=my_model.json]."),
+           "a sparse backend with options or a tuned profile from models/sparge_profiles: kitchen_sol[tau=2.0], "
+           "sparge[profile=my_model.json]."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),
     ],
     outputs=[("STRING", "report")],
     fn=run_benchmark_e2e,
     output_node=True,
+    validate=validate_rows,
 )
 
 

@@ -7,7 +7,7 @@ Columns: seconds per step (a warm-up run first: compile, tuning and kernel loadi
 cosine and relative L1 of the final latent against the unpatched one, PSNR and SSIM of the final latent against the
 reference run of the same seed (an fp32 run where the job has one, else the unpatched row) beside the exact-kernel
 floor (:mod:`attention.quality`), peak VRAM, and which kernels ran.  A row may carry a sparse kernel's options or a
-tuned profile: ``kitchen_sol[tau=2.0]``, ``sparge[cdfthreshd=0.95 simthreshd1=0.5]``, ``sparge[profile=PATH]``.
+tuned profile: ``kitchen_sol[tau=2.0]``, ``sparge[cdfthreshd=0.95 simthreshd1=0.5]``, ``sparge[profile=NAME]`` (a file in models/sparge_profiles).
 
 Used by the Attention Benchmark (end to end) node on the user's model and by ``bench_e2e.py`` on ComfyUI's model
 classes at full size with random weights (``PRESETS``).
@@ -175,7 +175,8 @@ ROW_OPTIONS = re.compile(r"^([A-Za-z0-9_]+)\[([^\[\]]*)\]$")
 
 def parse_row(row: str) -> tuple[str, dict]:
     """``"kitchen_sol[tau=2.0 extra_tokens=128]"`` -> ("kitchen_sol", {"tau": 2.0, "extra_tokens": 128}); a row without
-    brackets -> (row, {}).  ``profile=PATH`` names a tuned per-layer profile (Tune Sparse Attention's file)."""
+    brackets -> (row, {}).  ``profile=NAME`` names a tuned per-layer profile (Tune Sparse Attention's file in
+    models/sparge_profiles)."""
     m = ROW_OPTIONS.match(row.strip())
     if m is None:
         return row, {}
@@ -198,13 +199,13 @@ def parse_row(row: str) -> tuple[str, dict]:
 def row_settings(backend: str, opts: dict):
     """The sparse-attention settings a row's options make (what a SpargeAttn / Sol-Attn Settings node would give)."""
     from ..attention.sparge_profile import VARIANTS, check_thresholds, default_options
-    from .definitions import SpargeSettings, load_profile
+    from .definitions import BENCH_E2E_NAME, SpargeSettings, load_profile
 
     if backend not in VARIANTS:
         raise ValueError(f"row options are for the sparse backends ({', '.join(VARIANTS)}), not {backend}")
     rest = {k: v for k, v in opts.items() if k != "profile"}
     options = check_thresholds(backend, {**default_options(backend), **rest})
-    return SpargeSettings(backend, options, load_profile(opts.get("profile", ""), backend))
+    return SpargeSettings(backend, options, load_profile(opts.get("profile", ""), backend, BENCH_E2E_NAME))
 
 
 def make_row_model(model, row: str):

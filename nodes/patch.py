@@ -124,9 +124,11 @@ def patch_model(
 class TuningOverride(AttentionOverride):
     """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end."""
 
-    def __init__(self, tuner, path: str, fingerprint: str, model_class: str):
+    def __init__(self, tuner, name: str, fingerprint: str, model_class: str, write=None):
         super().__init__(AttentionConfig(backend="sdpa"))
-        self.tuner, self.path, self.fingerprint, self.model_class = tuner, path, fingerprint, model_class
+        self.tuner, self.name, self.fingerprint, self.model_class = tuner, name, fingerprint, model_class
+        self.write = write or _write_profile  # (file name, JSON data) -> the path written
+        self.path = None
         self.saved = None
         self._bar = None
 
@@ -156,9 +158,9 @@ class TuningOverride(AttentionOverride):
             self._bar = None
         prof = self.tuner.profile(self.fingerprint, self.model_class,
                                   notes=f"{self.tuner.evaluations} candidate runs over {len(self.tuner.layers)} layers")
-        prof.save(self.path)
+        self.path = self.write(self.name, prof.to_json())
         self.saved = prof
-        lines = [f"SpargeAttn profile saved to {self.path}: {len(prof.layers)} of {len(self.tuner.layers)} layers tuned "
+        lines = [f"{self.tuner.variant} profile saved to {self.path}: {len(prof.layers)} of {len(self.tuner.layers)} layers tuned "
                  f"(rel-L1 budget {prof.error_budget})"]
         from ..attention.sparge_profile import THRESHOLDS
 
@@ -171,16 +173,23 @@ class TuningOverride(AttentionOverride):
         log.info("\n".join(lines))
 
 
-def tune_model(model, variant: str, error_budget: float, path: str, pvthreshd_values=(50,)):
-    """A clone whose next sampling run tunes SpargeAttn thresholds per layer and writes the profile to ``path``."""
+def _write_profile(name: str, data: dict) -> str:
+    from .files import write_json
+
+    return write_json(name, data, "Tune Sparse Attention")
+
+
+def tune_model(model, variant: str, error_budget: float, name: str, pvthreshd_values=(50,), write=None):
+    """A clone whose next sampling run tunes sparse-attention settings per layer and writes the profile as ``name``
+    in models/sparge_profiles (``write(name, data)``: elsewhere, for the benchmarks' own runs)."""
     check_hook()
     from ..attention.sparge_profile import default_grid, fingerprint_state_dict
     from ..attention.sparge_tune import SpargeTuner
 
     dm = model.model.diffusion_model
     grid = {**default_grid(variant), "pvthreshd": tuple(pvthreshd_values)}
-    ov = TuningOverride(SpargeTuner(variant=variant, budget=error_budget, grid=grid), path,
-                        fingerprint_state_dict(dm.state_dict()), type(dm).__name__)
+    ov = TuningOverride(SpargeTuner(variant=variant, budget=error_budget, grid=grid), name,
+                        fingerprint_state_dict(dm.state_dict()), type(dm).__name__, write)
     return install(model.clone(), ov)
 
 

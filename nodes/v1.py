@@ -19,7 +19,7 @@ def _input(i):
     if i.kind == "STRING":
         opts["multiline"] = i.multiline
     if i.kind == "COMBO":
-        return (list(i.options), opts)
+        return (i.choices(), opts)
     return (i.kind, opts) if opts else (i.kind,)
 
 
@@ -45,6 +45,8 @@ def make_class(node: Node):
         "OUTPUT_NODE": node.output_node,
         "run": run,
     }
+    if node.validate is not None:
+        attrs["VALIDATE_INPUTS"] = classmethod(node.validate)
     return type(node.node_id, (), attrs)
 
 

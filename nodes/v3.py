@@ -16,7 +16,7 @@ def _input(i):
     if i.kind == "LATENT":
         return io.Latent.Input(i.name, **common)
     if i.kind == "COMBO":
-        return io.Combo.Input(i.name, options=list(i.options), default=i.default, **common)
+        return io.Combo.Input(i.name, options=i.choices(), default=i.default, **common)
     if i.kind == "BOOLEAN":
         return io.Boolean.Input(i.name, default=i.default, **common)
     if i.kind == "FLOAT":
@@ -54,10 +54,10 @@ def make_class(node: Node):
             return io.NodeOutput(*result, ui=ui.PreviewText(result[0]))
         return io.NodeOutput(*result)
 
-    return type(node.node_id, (io.ComfyNode,), {
-        "define_schema": classmethod(define_schema),
-        "execute": classmethod(execute),
-    })
+    attrs = {"define_schema": classmethod(define_schema), "execute": classmethod(execute)}
+    if node.validate is not None:
+        attrs["validate_inputs"] = classmethod(node.validate)
+    return type(node.node_id, (io.ComfyNode,), attrs)
 
 
 NODE_LIST = [make_class(n) for n in NODES]

@@ -125,8 +125,9 @@ def test_workflow_in_the_real_frontend(browser, path):
     for nid, err in body["node_errors"].items():
         for e in err["errors"]:
             field = e.get("extra_info", {}).get("input_name", "")
-            assert e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name")), \
-                f"node {nid} ({err.get('class_type')}): {e}"
+            missing_model = e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name"))
+            missing_profile = field == "profile" and "is not in models/sparge_profiles" in e.get("details", "")
+            assert missing_model or missing_profile, f"node {nid} ({err.get('class_type')}): {e}"
 
 
 QUEUE = """
@@ -204,7 +205,7 @@ const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
 
 def test_a_workflow_saved_before_the_settings_type_was_renamed_loads_and_queues(browser):
     """The settings type was SPARGE_SETTINGS; a workflow saved then keeps its link from SpargeAttn Settings to Patch
-    Attention, and the server accepts the prompt (refusing only the model files this machine lacks)."""
+    Attention, and the server accepts the prompt (refusing only the model and profile files this machine lacks)."""
     res = browser.execute_async_script(OLD, json.load(open(OLD_UI)))
     assert "error" not in res, res.get("error")
     assert not res["dialogs"], res["dialogs"]
@@ -213,6 +214,7 @@ def test_a_workflow_saved_before_the_settings_type_was_renamed_loads_and_queues(
     for nid, err in body.get("node_errors", {}).items():
         for e in err["errors"]:
             field = e.get("extra_info", {}).get("input_name", "")
-            assert e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name")), \
-                f"node {nid} ({err.get('class_type')}): {e}"
+            missing_model = e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name"))
+            missing_profile = field == "profile" and "is not in models/sparge_profiles" in e.get("details", "")
+            assert missing_model or missing_profile, f"node {nid} ({err.get('class_type')}): {e}"
     print("sparge_settings slot in the frontend:", res["slot"])

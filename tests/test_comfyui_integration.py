@@ -191,14 +191,15 @@ def test_sparge_settings_node_feeds_patch(pack, tmp_path):
     assert settings.options == {"simthreshd1": 0.5, "cdfthreshd": 0.97, "pvthreshd": 20.0}
     m = patch(mappings, tiny_flux(), "sparge", sparge_settings=settings)
     assert mod.nodes.patch.override_of(m).config.options["sparge"]["cdfthreshd"] == 0.97
-    with pytest.raises(FileNotFoundError, match="profile not found"):
+    with pytest.raises(ValueError, match=r"^SpargeAttn Settings: profile 'missing.json' is not in models/sparge_profiles"):
         run_node(mappings, "SpargeAttnSettings", variant="sparge", simthreshd1=0.5, cdfthreshd=0.97, pvthreshd=20.0,
-                 profile=str(tmp_path / "missing.json"))
+                 profile="missing.json")
 
 
-def test_tune_sparge_node_writes_a_profile_that_patch_attention_loads(pack, tmp_path):
+def test_tune_sparge_node_writes_a_profile_that_patch_attention_loads(pack, tmp_path, monkeypatch):
     """Mechanics on CPU with a stand-in SpargeAttn kernel (the real one needs CUDA; its numbers come from tests/gpu)."""
     mod, mappings = pack
+    monkeypatch.setattr(mod.nodes.files, "folders", lambda: [str(tmp_path)])  # models/sparge_profiles
     A = mod.attention
     constraints = __import__(A.__name__ + ".constraints", fromlist=["x"])
 
@@ -215,7 +216,7 @@ def test_tune_sparge_node_writes_a_profile_that_patch_attention_loads(pack, tmp_
     try:
         base = tiny_flux()
         path = tmp_path / "tiny.json"
-        (tuned,) = run_node(mappings, "TuneSpargeAttn", model=base, variant="sparge", error_budget=0.02, profile_name=str(path))
+        (tuned,) = run_node(mappings, "TuneSpargeAttn", model=base, variant="sparge", error_budget=0.02, profile_name="tiny")
         ref = sample(base, steps=2)
         out = sample(tuned, steps=2)
         assert rel(out, ref) < 1e-4  # a tuning run samples dense
@@ -224,7 +225,7 @@ def test_tune_sparge_node_writes_a_profile_that_patch_attention_loads(pack, tmp_
         for e in prof["layers"].values():
             assert e["rel_l1"] <= 0.02 and e["calls"] == 2 and e["cdfthreshd"] < 0.999
         (settings,) = run_node(mappings, "SpargeAttnSettings", variant="sparge", simthreshd1=0.6, cdfthreshd=0.98, pvthreshd=50.0,
-                               profile=str(path), report_error_every=1)
+                               profile="tiny.json", report_error_every=1)
         m = patch(mappings, base, "sparge", sparge_settings=settings, log_stats=True)
         sample(m, steps=2)
         st = stats_of(mod, m).as_dict()

@@ -74,7 +74,7 @@ def test_the_tuning_run_says_it_by_its_own_name():
     from importlib import import_module
 
     tuner = import_module(A.__name__ + ".sparge_tune").SpargeTuner(budget=0.05)
-    ov = patch.TuningOverride(tuner, "/nonexistent/profile.json", "fp", "Model")
+    ov = patch.TuningOverride(tuner, "profile.json", "fp", "Model")
     with capture("patch_attention") as recs:
         patch.ForwardWrapper(ov)(lambda x, t: x, torch.zeros(1), torch.tensor([1.0]))
     warns = _warnings(recs)

@@ -108,7 +108,7 @@ def widget_inputs(info):
 def check_value(node_type, name, kind, opts, options, value):
     where = f"{node_type}.{name}={value!r}"
     if kind == "COMBO":
-        if options and not name.endswith("_name") and not name.startswith("clip_name"):
+        if options and not name.endswith("_name") and not name.startswith("clip_name") and name != "profile":
             assert value in options, f"{where} not in {options}"
         assert isinstance(value, str), where
     elif kind == "BOOLEAN":

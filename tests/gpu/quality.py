@@ -436,12 +436,14 @@ def main(argv=None):
             if not REG.get(variant).available:
                 st.say(f"tune {variant}: not available here")
                 continue
-            path = os.path.join(a.out if a.tiny else "/tmp", f"standin-{variant}-{budget}.json")
+            # written to models/sparge_profiles (the rows name it there, as a user's would)
+            name = f"standin-{variant}-{budget}.json"
             t = time.perf_counter()
-            m = patch.tune_model(job.model, variant, budget, path)
+            m = patch.tune_model(job.model, variant, budget, name)
             sd.sample(m, g480, pos, neg, steps=M["tune_steps"])
+            path = m.model_options["transformer_options"]["optimized_attention_override"].path
             prof = importlib.import_module(pack.__name__ + ".attention.sparge_profile").SpargeProfile.load(path)
-            profiles[(variant, budget)] = path
+            profiles[(variant, budget)] = name
             st.say(f"tune {variant} budget {budget}: {len(prof.layers)} layers tuned in {time.perf_counter() - t:.0f} s: "
                    + "; ".join(f"{i}: " + " ".join(f"{k}={v}" for k, v in e.items() if k in ("tau", "cdfthreshd",
                                "simthreshd1", "topk", "sparsity", "rel_l1")) for i, e in sorted(prof.layers.items())))
