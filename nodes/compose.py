@@ -30,11 +30,25 @@ WRAPPER_KEY = "patch_attention"
 
 def previous_override(model):
     """The override on ``model``'s hook that a new Patch Attention goes over (None: none, or an earlier Patch
-    Attention, which the new one replaces)."""
+    Attention, which the new one replaces).  Under an override that keeps itself on top (Context Parallel's), the one
+    it wraps."""
     from .override import AttentionOverride
 
     current = model.model_options.get("transformer_options", {}).get(OVERRIDE_KEY)
+    if getattr(current, "keeps_on_top", False):
+        current = current.inner
     return None if current is None or isinstance(current, AttentionOverride) else current
+
+
+def _put(topts, ov) -> None:
+    """``ov`` (None: nothing) where Patch Attention goes on the hook: under an override that keeps itself on top."""
+    current = topts.get(OVERRIDE_KEY)
+    if getattr(current, "keeps_on_top", False):
+        topts[OVERRIDE_KEY] = current.with_inner(ov)
+    elif ov is None:
+        topts.pop(OVERRIDE_KEY, None)
+    else:
+        topts[OVERRIDE_KEY] = ov
 
 
 class SampleWrapper(BoundWrapper):
@@ -81,16 +95,14 @@ def install(m, ov):
         from .override import AttentionOverride
 
         current = topts.get(OVERRIDE_KEY)
-        if isinstance(current, AttentionOverride):
-            if current.previous is not None:
-                topts[OVERRIDE_KEY] = current.previous
-            else:
-                topts.pop(OVERRIDE_KEY)
+        mine = current.inner if getattr(current, "keeps_on_top", False) else current
+        if isinstance(mine, AttentionOverride):
+            _put(topts, mine.previous)
     else:
         if ov.previous is not None:
             log.info("Patch Attention (%s) goes over %s: that override serves the calls Patch Attention leaves dense",
                      ov.config.backend, describe(ov.previous))
-        topts[OVERRIDE_KEY] = ov
+        _put(topts, ov)
     for kind, wrapper in ((pe.WrappersMP.APPLY_MODEL, ForwardWrapper), (pe.WrappersMP.OUTER_SAMPLE, SampleWrapper)):
         m.remove_wrappers_with_key(kind, WRAPPER_KEY)
         if ov is not None:

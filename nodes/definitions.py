@@ -556,4 +556,35 @@ INFO = Node(
     output_node=True,
 )
 
-NODES = [PATCH, SPARGE, SOL, TUNE, INFO, BENCH, BENCH_E2E]
+# ---------------------------------------------------------------- Context Parallel
+
+def run_context_parallel(model, gpus=0, cfg_split=False):
+    from .context_parallel import context_parallel
+
+    return (context_parallel(model, gpus=int(gpus), cfg_split=bool(cfg_split)),)
+
+
+def context_parallel_description() -> str:
+    from ..parallel.families import supported
+
+    return ("Splits each sampling step of one image or video over several GPUs of this machine (the tokens, with "
+            "attention exchanged between the GPUs), with any Patch Attention backend before or after it. Supported: "
+            + "; ".join(name for name, _ in supported()) + ". Other models, and machines with one GPU, sample on one GPU "
+            "and the log says why. Needs ComfyUI 0.33 or later.")
+
+
+CONTEXT_PARALLEL = Node(
+    node_id="ContextParallel",
+    display_name="Context Parallel (multi-GPU)",
+    description=context_parallel_description(),
+    inputs=[
+        In("model", "MODEL"),
+        In("gpus", "INT", 0, "How many GPUs to split each step over (0: all of them).", min=0, max=64, step=1),
+        In("cfg_split", "BOOLEAN", False, "With CFG above 1 and 4 or more GPUs: run the positive and negative prompts "
+           "on separate halves of the GPUs, each split over its half. Off: both prompts together over all GPUs."),
+    ],
+    outputs=[("MODEL", "model")],
+    fn=run_context_parallel,
+)
+
+NODES = [PATCH, SPARGE, SOL, TUNE, INFO, BENCH, BENCH_E2E, CONTEXT_PARALLEL]

@@ -165,5 +165,5 @@ def reaches(override, target, depth: int = 4) -> bool:
         return True
     if depth == 0 or override is None:
         return False
-    inner = _closure_values(override) + [getattr(override, a, None) for a in ("previous", "__wrapped__", "func")]
+    inner = _closure_values(override) + [getattr(override, a, None) for a in ("previous", "inner", "__wrapped__", "func")]
     return any(x is target or (callable(x) and reaches(x, target, depth - 1)) for x in inner if x is not None)

@@ -25,6 +25,7 @@ import sys
 import torch
 
 from ..attention.calls import finite_flag
+from ..parallel.context import CP_KEY
 from .hook import BoundWrapper
 
 log = logging.getLogger("patch_attention.nodes")
@@ -101,17 +102,26 @@ class ForwardWrapper(BoundWrapper):
         cfg.in_forward = True
         try:
             out = forward()
+            split = split_context(args, kwargs)  # a forward split over GPUs: every GPU decides as one (see below)
             bad = []
             if per_call:
                 bad = cfg.take_nonfinite()
+                if split is not None:
+                    bad = split.union(bad)
                 if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
                     ov.hides_nan = True  # an output the later per-forward check could not read: per-call flags always
-            elif ov.nan_net and ov.lossy_ran(ln):  # the output check reads a device flag: one sync per forward
-                if not bool(output_flag(out).isfinite()):
+            elif ov.nan_net:
+                # the output check reads a device flag: one sync per forward
+                redo = ov.lossy_ran(ln) and not bool(output_flag(out).isfinite())
+                if split is not None:
+                    redo = split.any(redo)
+                if redo:
                     cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
                     ln.layer = 0
                     out = forward()
                     bad = cfg.take_nonfinite()
+                    if split is not None:
+                        bad = split.union(bad)
             if bad:
                 # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
                 # sampling run, and the forward is computed again.
@@ -132,6 +142,14 @@ class ForwardWrapper(BoundWrapper):
             ln.active = None
             ln.check_phase = None
         return out
+
+
+def split_context(args, kwargs):
+    """The forward's context-parallel rank, when the forward was split over GPUs (None otherwise): its GPUs then take
+    each NaN decision together (a layer found on one GPU is redone on all, as their exchanges must stay in step)."""
+    topts = args[5] if len(args) > 5 else kwargs.get("transformer_options")
+    ctx = topts.get(CP_KEY) if isinstance(topts, dict) else None
+    return ctx if ctx is not None and ctx.split else None
 
 
 _hides_nan_cache = {}

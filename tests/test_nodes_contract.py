@@ -17,7 +17,7 @@ def test_pack_exports_nodes_under_any_folder_name():
     if P.nodes.comfy_entrypoint is None:
         assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "SolAttnSettings", "TuneSpargeAttn",
                                               "AttentionBackendsInfo",
-                                              "AttentionBenchmark", "AttentionBenchmarkE2E"}
+                                              "AttentionBenchmark", "AttentionBenchmarkE2E", "ContextParallel"}
     else:
         assert callable(P.comfy_entrypoint)
 

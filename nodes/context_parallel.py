@@ -1,0 +1,402 @@
+"""Context parallelism in ComfyUI: one sampling run's tokens split over the GPUs of the machine.
+
+What the Context Parallel node puts on its clone of the model (nothing else changes, no other model sees any of it):
+
+- **The GPUs' copies of the model**: ComfyUI's own MultiGPU deep clones (``comfy.multigpu.create_multigpu_deepclones``,
+  ComfyUI 0.33+), which ComfyUI loads on each GPU at sampling start and keeps in step with the model's patches (LoRA,
+  ...).  ComfyUI would use them to run the conds of a step on different GPUs (MultiGPU CFG Split); here the conds stay
+  batched on the first GPU and every forward is split by tokens over all GPUs (with ``cfg_split``, each cond gets a
+  group of GPUs: 2 per cond on 4 GPUs).
+- **A SAMPLER_SAMPLE wrapper** (:class:`RunWrapper`): per sampling run, the GPUs' models and one worker thread per extra
+  GPU; the run's messages (why a forward ran on one GPU) are said once.
+- **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
+  copied to each other GPU, to that GPU's model in its worker thread, with a :class:`~..parallel.context.RankContext`
+  in the forward's ``transformer_options`` and the family unit's block patches; it returns the first GPU's output.
+- **The attention hook** (:class:`ContextParallelAttention`): calls over the split sequence are exchanged
+  (:mod:`..parallel.ulysses`) around whatever was on the hook: Patch Attention (any backend, ``auto``), another
+  override, or ComfyUI's own attention.  It stays on top whichever node is applied first.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import threading
+
+import torch
+
+from ..parallel.context import CP_KEY, RankContext, StopRank
+from ..parallel.families import supported, unit_for
+from ..parallel.group import Group, GroupAborted, on_device
+from .hook import OVERRIDE_KEY, BoundWrapper, bind, host_function, take
+
+log = logging.getLogger("patch_attention.parallel")
+
+WRAPPER_KEY = "patch_attention_context_parallel"
+NODE = "Context Parallel"
+
+
+# ---------------------------------------------------------------- the attention hook
+
+class ContextParallelAttention:
+    """The override on the hook of a context-parallel model: exchanges the calls over the split sequence and hands
+    every call to ``inner`` (the override it went over, None: ComfyUI's function) on this GPU's share."""
+
+    keeps_on_top = True  # Patch Attention applied later goes under it (nodes/compose.py)
+
+    def __init__(self, inner=None):
+        self.inner = inner
+
+    def with_inner(self, inner) -> ContextParallelAttention:
+        return ContextParallelAttention(inner)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def __copy__(self):
+        return self
+
+    def _call_inner(self, func, *args, **kwargs):
+        if self.inner is not None:
+            return self.inner(func, *args, **kwargs)
+        return func(*args, **kwargs)
+
+    def __call__(self, func, *args, **kwargs):
+        topts = kwargs.get("transformer_options")
+        ctx = topts.get(CP_KEY) if topts else None
+        if ctx is not None and ctx.layout is not None:
+            a, rest = bind(args, kwargs)
+            if ctx.exchanges(_seq_len(a["q"], a), _seq_len(a["k"], a)):
+                return self._exchanged(ctx, func, a, rest)
+        return self._call_inner(func, *args, **kwargs)
+
+    def container_function(self, *args, **kwargs):
+        """ComfyUI 0.33+: q/k/v in single-owner containers (see nodes/hook.py)."""
+        topts = kwargs.get("transformer_options")
+        ctx = topts.get(CP_KEY) if topts else None
+        if (ctx is None or ctx.layout is None) and hasattr(self.inner, "container_function"):
+            return self.inner.container_function(*args, **kwargs)
+        return self(host_function(), *take(args), **kwargs)
+
+    def _exchanged(self, ctx, func, a, rest):
+        q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
+        if a.get("mask") is not None:
+            raise ValueError(f"{NODE}: a masked attention call over the split sequence (this model's unit must keep such "
+                             "forwards on one GPU)")
+        skip, skip_out = bool(a.get("skip_reshape", False)), bool(a.get("skip_output_reshape", False))
+        b = q.shape[0]
+        if skip:  # [B, H, L, D]
+            qn, kn, vn = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+        else:  # [B, L, H*D]
+            d = q.shape[-1] // heads
+            qn = q.view(b, q.shape[1], heads, d)
+            kn = k.view(b, k.shape[1], k.shape[-1] // d, d)
+            vn = v.view(b, v.shape[1], kn.shape[2], v.shape[-1] // kn.shape[2])
+        extra = {key: val for key, val in rest.items()}
+        precision = a.get("attn_precision")
+
+        def local(qf, kf, vf):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
+            bl, lf, h, dq = qf.shape
+            out = self._call_inner(func, qf.view(bl, lf, h * dq), kf.view(bl, lf, -1), vf.view(bl, lf, -1), h,
+                                   mask=None, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
+                                   **extra)
+            return out.reshape(bl, lf, h, -1)
+
+        o = ctx.attention(qn, kn, vn, local)  # [B, L_r, H, Dv]
+        if skip_out:
+            return o.transpose(1, 2)
+        return o.reshape(b, o.shape[1], -1)
+
+
+def _seq_len(t, a) -> int:
+    return t.shape[2] if a.get("skip_reshape", False) else t.shape[1]
+
+
+# ---------------------------------------------------------------- the run and its forwards
+
+class ContextParallel:
+    """One Context Parallel node's choice, shared by the clones of its model (and their GPUs' copies)."""
+
+    def __init__(self, unit, gpus: int, cfg_split: bool = False, simulate: int = 0):
+        self.unit = unit
+        self.gpus = gpus  # how many GPUs the node asked for (0: all)
+        self.cfg_split = cfg_split
+        self.simulate = simulate  # tests: this many ranks on the model's own device, sharing its model
+        self._runs = threading.local()  # the sampling run of this thread (set by RunWrapper)
+        self._lock = threading.Lock()
+        self.run = None  # the current sampling run (read by forwards in any thread)
+
+    def __deepcopy__(self, memo):
+        return self
+
+    def say(self, key: str, msg: str, *a) -> None:
+        run = self.run
+        if run is not None:
+            with self._lock:
+                if key in run.said:
+                    return
+                run.said.add(key)
+        log.warning(msg, *a)
+
+
+class Run:
+    """One sampling run: the GPUs' models by group, a worker per extra GPU, what was said."""
+
+    def __init__(self, groups: list, grad: bool, inference: bool):
+        self.groups = groups  # [[(device, BaseModel), ...] per group]; each group's first is where its forwards start
+        self.by_leader = {g[0][0]: g for g in groups}
+        self.workers = {}
+        for g in groups:
+            for i, (dev, _) in enumerate(g[1:], 1):
+                self.workers[(g[0][0], i)] = concurrent.futures.ThreadPoolExecutor(
+                    1, thread_name_prefix=f"context-parallel-{dev}", initializer=_set_device, initargs=(dev,))
+        self.grad, self.inference = grad, inference
+        self.said = set()
+        self.forwards = self.split_forwards = 0
+
+    def close(self) -> None:
+        for w in self.workers.values():
+            w.shutdown(wait=True)
+
+
+def _set_device(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+
+
+class RunWrapper(BoundWrapper):
+    """SAMPLER_SAMPLE wrapper: the run's GPUs and workers (see the module's docstring)."""
+
+    def __call__(self, executor, *args, **kwargs):
+        cp = self.override
+        # sampler.sample(guider, sigmas, extra_args, callback, noise, latent_image, denoise_mask, disable_pbar)
+        guider = args[0] if args else kwargs.get("model_wrap")
+        extra = args[2] if len(args) > 2 else kwargs.get("extra_args")
+        options = extra.get("model_options", {}) if isinstance(extra, dict) else {}
+        base = getattr(getattr(guider, "model_patcher", None), "model", None)
+        groups, restore = self.groups(cp, options, base)
+        run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if groups else None
+        prev, cp.run = cp.run, run
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            cp.run = prev
+            if run is not None:
+                run.close()
+                if run.forwards:
+                    log.info("%s: %d of %d forwards split over %d GPUs", NODE, run.split_forwards, run.forwards,
+                             max(len(g) for g in run.groups))
+            restore()
+
+    @staticmethod
+    def groups(cp, options: dict, base):
+        """The run's groups of (device, model) and how to put the model options back afterwards."""
+        if cp.simulate:
+            dev = next(base.diffusion_model.parameters()).device
+            return [[(dev, base)] * cp.simulate], lambda: None
+        clones = options.get("multigpu_clones")
+        if not clones or len(clones) < 2:
+            return [], lambda: None
+        devices = list(clones)
+        n_groups = 2 if cp.cfg_split and len(devices) >= 4 else 1
+        size = len(devices) // n_groups
+        groups = [[(d, clones[d].model) for d in devices[i * size:(i + 1) * size]] for i in range(n_groups)]
+        leaders = {g[0][0]: clones[g[0][0]] for g in groups}
+        # the conds stay batched on the first GPU (one group), or go one group each (MultiGPU CFG Split over the
+        # groups' first GPUs): ComfyUI's cond scheduler sees only the groups' first GPUs
+        if n_groups == 1:
+            options.pop("multigpu_clones")
+
+            def restore():
+                options["multigpu_clones"] = clones
+        else:
+            options["multigpu_clones"] = leaders
+
+            def restore():
+                options["multigpu_clones"] = clones
+        return groups, restore
+
+
+class ForwardWrapper(BoundWrapper):
+    """APPLY_MODEL wrapper (outermost): one forward split over its group's GPUs (see the module's docstring)."""
+
+    def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
+        cp = self.override
+        topts = transformer_options if transformer_options is not None else {}
+        run = cp.run
+        if CP_KEY in topts or run is None:  # a GPU's own share (or no run state: one GPU)
+            return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
+        ranks = run.by_leader.get(x.device)
+        if ranks is None or len(ranks) < 2:
+            return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
+        with cp._lock:
+            run.forwards += 1
+        why = self.why_not(control, kwargs)
+        if why:
+            cp.say(why, "%s: this forward runs on one GPU: %s", NODE, why)
+            return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
+        group = Group([d for d, _ in ranks])
+        keys = cp.unit.block_keys(ranks[0][1].diffusion_model)
+        ctxs = [RankContext(group, r, cp.unit) for r in range(group.size)]
+        for c in ctxs:
+            c.last_key = keys[-1]
+        futures = []
+        for r in range(1, group.size):
+            dev, model = ranks[r]
+            worker = run.workers[(ranks[0][0], r)]
+            futures.append(worker.submit(self._rank, run, model, ctxs[r], dev, (x, t, c_concat, c_crossattn, control),
+                                         self.rank_options(topts, ctxs[r], keys, dev), kwargs))
+        try:
+            out = executor(x, t, c_concat, c_crossattn, control, self.rank_options(topts, ctxs[0], keys, None), **kwargs)
+        except BaseException as e:
+            group.abort(e)
+            concurrent.futures.wait(futures)
+            if isinstance(e, GroupAborted):  # another GPU failed first: its error is the one to report
+                raise _first_error(futures) or e from None
+            raise
+        err = _first_error(futures)
+        if err is not None:
+            raise err
+        if ctxs[0].split:
+            with cp._lock:
+                run.split_forwards += 1
+        else:
+            cp.say("whole:" + ctxs[0].why, "%s: a forward of %s ran on one GPU: %s", NODE, cp.unit.name, ctxs[0].why)
+        return out
+
+    @staticmethod
+    def why_not(control, kwargs) -> str:
+        if control is not None:
+            return "a ControlNet's residuals are made for the whole sequence"
+        return ""
+
+    @staticmethod
+    def rank_options(topts: dict, ctx: RankContext, keys: list, device) -> dict:
+        """The forward's transformer_options for one GPU: its context, the unit's block patches over any already there,
+        the top-level tensors on its device."""
+        out = {k: (_to(v, device) if device is not None else v) for k, v in topts.items()}
+        replace = dict(out.get("patches_replace", {}))
+        dit = dict(replace.get("dit", {}))
+        for key in keys:
+            dit[key] = BlockPatch(ctx.unit, key, dit.get(key))
+        replace["dit"] = dit
+        out["patches_replace"] = replace
+        out[CP_KEY] = ctx
+        return out
+
+    @staticmethod
+    def _rank(run, model, ctx, device, args, topts, kwargs):
+        try:
+            with on_device(device), torch.inference_mode(run.inference), torch.set_grad_enabled(run.grad):
+                x, t, c_concat, c_crossattn, control = (_to(a, device) for a in args)
+                return model.apply_model(x, t, c_concat, c_crossattn, control, topts, **_to(kwargs, device))
+        except StopRank:
+            return None
+        except BaseException as e:
+            ctx.group.abort(e)
+            raise
+
+
+def _first_error(futures):
+    for f in futures:
+        e = f.exception()
+        if e is not None and not isinstance(e, (GroupAborted, StopRank)):
+            return e
+    return None
+
+
+class BlockPatch:
+    """One block's patch in a split forward: the unit's handling, over the patch that was there (if any)."""
+
+    def __init__(self, unit, key, previous):
+        self.unit, self.key, self.previous = unit, key, previous
+
+    def __call__(self, args, extra):
+        ctx = args["transformer_options"].get(CP_KEY)
+        if self.previous is not None:
+            def inner(a):
+                return self.previous(a, extra)
+        else:
+            inner = extra["original_block"]
+        if ctx is None:
+            return inner(args)
+        out = self.unit.block(self.key, args, inner, ctx)
+        return out
+
+
+def _to(obj, device):
+    """Tensors in ``obj`` (nested lists, tuples, dicts) on ``device``; anything else as it is."""
+    if device is None:
+        return obj
+    if isinstance(obj, torch.Tensor):
+        return obj.to(device) if obj.device != device else obj
+    if isinstance(obj, dict):
+        return {k: _to(v, device) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)) and any(isinstance(v, (torch.Tensor, list, tuple, dict)) for v in obj):
+        return type(obj)(_to(v, device) for v in obj)
+    return obj
+
+
+# ---------------------------------------------------------------- the node
+
+class OneGpuNotice(BoundWrapper):
+    """OUTER_SAMPLE wrapper of a model the node could not split: says why once per sampling run."""
+
+    def __call__(self, executor, *args, **kwargs):
+        log.warning("%s: %s", NODE, self.override)
+        return executor(*args, **kwargs)
+
+
+def context_parallel(model, gpus: int = 0, cfg_split: bool = False, simulate: int = 0):
+    """A clone of ``model`` whose sampling runs split each forward's tokens over ``gpus`` GPUs (0: all); with
+    ``cfg_split``, conds run on separate groups of GPUs.  ``simulate``: tests, that many ranks on the model's device.
+    Where it cannot split (one GPU, ComfyUI before 0.33, a model family without a unit) it returns a clone that says
+    why when sampling starts."""
+    import comfy.patcher_extension as pe
+
+    m = model.clone()
+    dm = model.model.diffusion_model
+    unit = unit_for(dm)
+    why = ""
+    if unit is None:
+        fams = "; ".join(f"{name}" for name, _ in supported())
+        why = (f"{type(model.model).__name__} ({type(dm).__module__}.{type(dm).__name__}) has no context-parallel unit "
+               f"(supported: {fams}): it samples on one GPU")
+    elif not simulate:
+        try:
+            import comfy.multigpu
+        except ImportError:
+            why = "splitting a model over GPUs needs ComfyUI 0.33 or later (its MultiGPU model copies): one GPU"
+        else:
+            import comfy.model_management as mm
+
+            devices = mm.get_all_torch_devices()
+            n = len(devices) if gpus <= 0 else min(gpus, len(devices))
+            if n < 2:
+                why = f"{len(devices)} GPU{'s' if len(devices) != 1 else ''} here: nothing to split over"
+            else:
+                m = comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=True)
+    m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    if why:
+        log.warning("%s: %s", NODE, why)
+        m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, OneGpuNotice(why))
+        return m
+    cp = ContextParallel(unit, gpus, cfg_split, simulate)
+    install(m, cp)
+    return m
+
+
+def install(m, cp: ContextParallel) -> None:
+    """The wrappers (APPLY_MODEL outermost) and the attention hook on the clone ``m``."""
+    import comfy.patcher_extension as pe
+
+    topts = m.model_options.setdefault("transformer_options", {})
+    current = topts.get(OVERRIDE_KEY)
+    if isinstance(current, ContextParallelAttention):
+        current = current.inner
+    topts[OVERRIDE_KEY] = ContextParallelAttention(current)
+    m.remove_wrappers_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY)
+    m.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, RunWrapper(cp))
+    wrappers = topts.setdefault("wrappers", {})
+    rest = {k: v for k, v in wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).items() if k != WRAPPER_KEY}
+    wrappers[pe.WrappersMP.APPLY_MODEL] = {WRAPPER_KEY: [ForwardWrapper(cp)], **rest}

@@ -1,0 +1,53 @@
+"""Family units: what splitting one model family's forward over GPUs needs to know, one small module per family.
+
+A unit splits the tokens through ComfyUI's own per-model extension point, the block-replace patches
+(``transformer_options['patches_replace']['dit'][(kind, index)]``): at the first block it decides whether this forward
+splits (:meth:`~..context.RankContext.start`), hands each block its rank's shard of the carried tokens and of every
+per-token input (RoPE frequencies, per-token modulation), and at the last block gathers the tokens back, so the model's
+embedding before the blocks and its head after them run as on one GPU.  The attention calls in between are exchanged by
+the attention override (:mod:`..ulysses`), whatever kernel serves them.
+
+Interface (:class:`Unit`):
+
+- ``name``: what the user reads ("Wan 2.1/2.2"); ``classes``: the diffusion-model class names it splits (exactly:
+  a subclass that changes the forward needs its own entry);
+- ``block_keys(dm)``: the block-replace keys of one forward, in order;
+- ``block(key, args, inner, ctx)``: one block under a split forward: ``args`` as ComfyUI passes them to the patch,
+  ``inner(args)`` runs the block (or the patch that was there before), ``ctx`` the rank's
+  :class:`~..context.RankContext`; returns what ``inner`` returns.
+
+A model without a unit samples on one GPU (the node says so once per run, naming the model).
+"""
+
+from __future__ import annotations
+
+
+class Unit:
+    name = ""
+    classes: tuple = ()
+
+    def block_keys(self, dm) -> list:
+        raise NotImplementedError
+
+    def block(self, key, args: dict, inner, ctx):
+        raise NotImplementedError
+
+
+def _units() -> list[Unit]:
+    from .wan import WanUnit
+
+    return [WanUnit()]
+
+
+UNITS = _units()
+BY_CLASS = {c: u for u in UNITS for c in u.classes}
+
+
+def unit_for(diffusion_model) -> Unit | None:
+    """The unit that splits this diffusion model's forward, by its exact class name (None: none)."""
+    return BY_CLASS.get(type(diffusion_model).__name__)
+
+
+def supported() -> list[tuple[str, tuple]]:
+    """(family, class names) of every unit, for the node's description and the docs."""
+    return [(u.name, u.classes) for u in UNITS]

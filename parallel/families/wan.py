@@ -1,0 +1,61 @@
+"""Wan 2.1 / 2.2 (text and image to video, FLF, Fun): the video tokens split over GPUs between the first and last
+block.
+
+ComfyUI's ``WanModel.forward_orig`` embeds the latent into ``x`` ``[B, L, C]`` (reference and in-context latents joined
+along the tokens), computes the RoPE frequencies ``freqs`` for those ``L`` tokens (dim 1) and the modulation ``e0``
+(``[B, 1, 6, C]``, or per token ``[B, L, 6, C]`` for Wan 2.2's per-frame timesteps), then runs each block as
+``block(x, e=e0, freqs=freqs, context=context, ...)`` (the patch sees ``img``, ``vec``, ``pe``, ``txt``).  In a block,
+self-attention runs over ``x``'s tokens (exchanged) and cross-attention over the text (and CLIP image) tokens, which
+every GPU keeps whole.  Everything else in a block is per token.
+"""
+
+from __future__ import annotations
+
+from . import Unit
+
+
+class WanUnit(Unit):
+    name = "Wan 2.1/2.2"
+    classes = ("WanModel",)
+
+    def block_keys(self, dm) -> list:
+        return [("double_block", i) for i in range(len(dm.blocks))]
+
+    def block(self, key, args, inner, ctx):
+        i = key[1]
+        x = args["img"]
+        if i == 0:
+            topts = args["transformer_options"]
+            ctx.start(x.shape[1], others=self.context_lengths(args["txt"].shape[1]), why_not=self.why_not(topts))
+        if not ctx.split:
+            return inner(args)
+        a = dict(args)
+        if i == 0:
+            a["img"] = ctx.shard(x)
+        a["pe"] = ctx.shard(args["pe"], 1)
+        vec = args["vec"]
+        if vec.ndim == 4 and vec.shape[1] == ctx.layout.full_len > 1:  # per-token modulation [B, L, 6, C]
+            a["vec"] = ctx.shard(vec, 1)
+        out = inner(a)
+        if key == ctx.last_key:
+            out = {**out, "img": ctx.gather(out["img"])}
+        return out
+
+    @staticmethod
+    def context_lengths(total: int) -> set:
+        """The key lengths of cross-attention: the whole context, or (image to video) its CLIP image tokens (257 per
+        image, one or two images) and the text after them, in two calls."""
+        out = {total}
+        for clip in (257, 514):
+            if clip < total:
+                out |= {clip, total - clip}
+        return out
+
+    @staticmethod
+    def why_not(topts) -> str:
+        """Extensions that see the whole token sequence inside the loop (they would get one GPU's share)."""
+        patches = topts.get("patches", {})
+        for name in ("double_block", "attn1_patch", "attn2_patch"):
+            if patches.get(name):
+                return f"a model patch ({name}) that needs the whole sequence"
+        return ""

@@ -1,0 +1,266 @@
+"""Context parallelism on the CPU: N = 2, 3 and 4 ranks, each a thread, simulated on the CPU's one device.
+
+First the exchange alone (parallel/ulysses.py) against whole attention in fp64: uneven head splits, more ranks than
+heads, grouped-query heads, text tokens held whole before or after the split part; a failing rank stops the others.
+Then real ComfyUI models of every family with a unit (tests/zoo's tiny builders, several configurations per family),
+sampled through the Context Parallel node, alone and with Patch Attention in either order, against the same model on
+one device: the final latent equal within fp32 rounding, and every forward split (attention calls exchanged).
+"""
+
+from __future__ import annotations
+
+import importlib
+import threading
+
+import pytest
+import torch
+from pack import load
+
+P = load()
+G = importlib.import_module(P.__name__ + ".parallel.group")
+U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+C = importlib.import_module(P.__name__ + ".parallel.context")
+F = torch.nn.functional
+
+
+def whole(q, k, v):
+    """Attention over ``[B, L, H, D]`` (fp64 reference; grouped K/V heads repeated)."""
+    hq, hk = q.shape[2], k.shape[2]
+    if hq != hk:
+        k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+
+
+def run_ranks(n, fn):
+    """``fn(rank)`` in ``n`` threads; the results by rank (an exception in a rank is re-raised)."""
+    out, errs = [None] * n, [None] * n
+
+    def go(r):
+        try:
+            out[r] = fn(r)
+        except BaseException as e:  # noqa: BLE001 - re-raised below
+            errs[r] = e
+
+    threads = [threading.Thread(target=go, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    return out, errs
+
+
+@pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens", [
+    (2, 4, 4, 0, 0, 37), (3, 40, 40, 5, 0, 50), (4, 3, 3, 0, 7, 21), (4, 8, 2, 3, 2, 33), (3, 2, 2, 0, 0, 10),
+    (2, 24, 24, 11, 0, 64)])
+def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens):
+    g = torch.Generator().manual_seed(n * 100 + heads)
+    b, d = 2, 8
+    L = prefix + tokens + suffix
+    q = torch.randn(b, L, heads, d, generator=g, dtype=torch.float64)
+    k = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
+    v = torch.randn(b, L, kv_heads, d + 2, generator=g, dtype=torch.float64)
+    ref = whole(q, k, v)
+    lay = U.shard_layout(tokens, n, prefix, suffix)
+    group = G.Group(["cpu"] * n)
+
+    def local(t, r):
+        s0, sc = lay.shards[r]
+        return torch.cat([t[:, :prefix], t[:, prefix + s0:prefix + s0 + sc], t[:, prefix + tokens:]], 1)
+
+    calls = []
+
+    def kernel(qf, kf, vf):
+        calls.append(qf.shape)
+        return whole(qf, kf, vf)
+
+    outs, errs = run_ranks(n, lambda r: U.ulysses(group, r, lay, local(q, r), local(k, r), local(v, r), kernel))
+    assert errs == [None] * n
+    for r in range(n):
+        assert outs[r].shape == (b, lay.local_len(r), heads, d + 2)
+        assert (outs[r] - local(ref, r)).abs().max() < 1e-12
+    # every rank's kernel saw the whole sequence and its share of the heads (fewer heads than ranks: some see none)
+    per_rank = [c for _, c in G.split(kv_heads, n)]
+    assert sorted(s[2] for s in calls) == sorted(c * heads // kv_heads for c in per_rank if c)
+    assert all(s[1] == L for s in calls)
+
+
+def test_a_failing_rank_stops_the_others_with_its_error():
+    n = 3
+    group = G.Group(["cpu"] * n)
+    lay = U.shard_layout(12, n)
+    x = torch.randn(1, 4, 2, 4)
+
+    def rank(r):
+        if r == 1:
+            group.abort(ValueError("rank 1 failed"))
+            raise ValueError("rank 1 failed")
+        return U.ulysses(group, r, lay, x, x, x, whole)
+
+    _, errs = run_ranks(n, rank)
+    assert isinstance(errs[1], ValueError)
+    for r in (0, 2):
+        assert isinstance(errs[r], G.GroupAborted) and "rank 1 failed" in str(errs[r])
+
+
+def test_shard_and_gather_round_trip_with_text_held_whole():
+    n, tokens, prefix = 3, 10, 4
+    group = G.Group(["cpu"] * n)
+    full = torch.randn(2, prefix + tokens, 5)
+
+    def rank(r):
+        ctx = C.RankContext(group, r, None)
+        assert ctx.start(tokens, others={2}, prefix=prefix)
+        part = ctx.shard(full)
+        assert part.shape[1] == prefix + ctx.rows()[1]
+        return ctx.gather(part)
+
+    outs, errs = run_ranks(n, rank)
+    assert errs == [None] * n and all(torch.equal(o, full) for o in outs)
+
+
+def test_a_forward_too_short_to_split_runs_on_the_first_rank_only():
+    n = 4
+    group = G.Group(["cpu"] * n)
+
+    def rank(r):
+        ctx = C.RankContext(group, r, None)
+        return ctx.start(32, others={8}), ctx.why  # shards of 8 tokens: as long as the text
+
+    outs, errs = run_ranks(n, rank)
+    assert outs[0] == (False, "a GPU's share (8 tokens) is as long as the text or image sequence it attends to, so its "
+                              "attention calls could not be told apart")
+    assert all(isinstance(e, C.StopRank) for e in errs[1:])
+
+
+# ---------------------------------------------------------------- real ComfyUI models
+
+# configurations per family unit (with a latent of more tokens where the zoo's is too short for 4 ranks), and the
+# rank counts at which a rank's share is as long as the text (8 tokens): those forwards run whole on the first rank
+CASES = {
+    "WAN21_T2V": dict(latent=(1, 16, 3, 8, 8)),
+    "WAN22_T2V": dict(latent=(1, 48, 3, 8, 8)),
+    "WAN21_I2V": dict(whole={4}),
+    "WAN21_FunControl2V": dict(whole={4}),
+}
+
+
+@pytest.fixture(scope="module")
+def zoo():
+    from comfyui_support import comfy, load_pack
+
+    comfy()
+    import zoo as z
+
+    z.load_families()
+    mod, mappings = load_pack()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield z, mod, mappings
+    torch.set_num_threads(threads)
+
+
+def _case(z, name):
+    import comfy.supported_models as sm
+
+    cls = getattr(sm, name, None)
+    if cls is None:
+        pytest.skip(f"{name} is not in this ComfyUI")
+    case = z.BUILDERS[name](cls, False)
+    extra = CASES[name]
+    if "latent" in extra:
+        case = z.with_(case, latent=extra["latent"])
+    return cls, case
+
+
+def rel_l1(a, b) -> float:
+    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
+
+
+def _split(mod, model, n, **kw):
+    return importlib.import_module(mod.__name__ + ".nodes.context_parallel").context_parallel(model, simulate=n, **kw)
+
+
+def _exchanged_calls(mod):
+    """Count the attention calls exchanged over ranks while sampling (patched onto RankContext for the test)."""
+    counts = []
+    real = mod.parallel.context.RankContext.attention
+
+    def counting(self, *a, **k):
+        counts.append(self.rank)
+        return real(self, *a, **k)
+
+    return counts, real, counting
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_a_split_forward_gives_the_one_device_latent(zoo, name, n):
+    z, mod, mappings = zoo
+    cls, case = _case(z, name)
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    counts, real, counting = _exchanged_calls(mod)
+    mod.parallel.context.RankContext.attention = counting
+    try:
+        out = z.sample(_split(mod, base, n), case)
+    finally:
+        mod.parallel.context.RankContext.attention = real
+    assert torch.isfinite(out).all()
+    assert rel_l1(out, ref) < 1e-5, rel_l1(out, ref)
+    if n in CASES[name].get("whole", ()):
+        assert counts == []
+        return
+    blocks = len(base.model.diffusion_model.blocks)
+    forwards = case.steps  # the conds of a step are one batch: one forward per step
+    assert sorted(set(counts)) == list(range(n)) and len(counts) == n * blocks * forwards
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("order", ["patch-then-split", "split-then-patch"])
+def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
+    z, mod, mappings = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    patch = mod.nodes.patch.patch_model
+    if order == "patch-then-split":
+        m = _split(mod, patch(base, "sdpa_math", log_stats=True), 2)
+    else:
+        m = patch(_split(mod, base, 2), "sdpa_math", log_stats=True)
+    hook = m.model_options["transformer_options"]["optimized_attention_override"]
+    assert type(hook).__name__ == "ContextParallelAttention"
+    ov = hook.inner
+    assert type(ov).__name__ == "AttentionOverride" and ov.previous is None
+    out = z.sample(m, case)
+    assert rel_l1(out, ref) < 1e-5
+    # every rank ran its share on the chosen kernel, in its own lane: self-attention with the whole sequence and its
+    # share of the heads (one of the model's two), cross-attention with its share of the tokens
+    lanes = ov.lanes()
+    assert len(lanes) == 2
+    for ln in lanes:
+        assert dict(ln.config.stats.calls) == {"sdpa_math": 2 * case.steps}
+    # "disabled" takes Patch Attention out from under the split and keeps the split
+    off = patch(m, "disabled")
+    hook2 = off.model_options["transformer_options"]["optimized_attention_override"]
+    assert type(hook2).__name__ == "ContextParallelAttention" and hook2.inner is None
+
+
+@pytest.mark.comfyui
+def test_a_model_without_a_unit_samples_on_one_gpu_and_says_so_once(zoo):
+    from comfyui_support import tiny_flux
+    from conftest import capture
+
+    z, mod, mappings = zoo
+    base = tiny_flux()
+    with capture("patch_attention") as recs:
+        m = _split(mod, base, 2)
+    if mod.parallel.families.unit_for(base.model.diffusion_model) is not None:
+        pytest.skip("Flux has a unit")
+    from comfyui_support import sample
+
+    with capture("patch_attention") as recs:
+        sample(m, steps=2)
+    said = [r.getMessage() for r in recs if "Context Parallel" in r.getMessage()]
+    assert len(said) == 1 and "Flux" in said[0] and "samples on one GPU" in said[0]
