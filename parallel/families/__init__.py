@@ -16,10 +16,14 @@ Interface (:class:`Unit`):
   ``inner(args)`` runs the block (or the patch that was there before), ``ctx`` the rank's
   :class:`~..context.RankContext`; returns what ``inner`` returns.
 
-A model without a unit samples on one GPU (the node says so once per run, naming the model).
+A model without a unit samples on one GPU (the node says so once per run, naming the model).  Adding a family is one
+module here that defines ``UNITS = [SomeUnit()]``.
 """
 
 from __future__ import annotations
+
+import importlib
+import pkgutil
 
 
 class Unit:
@@ -34,9 +38,11 @@ class Unit:
 
 
 def _units() -> list[Unit]:
-    from .wan import WanUnit
-
-    return [WanUnit()]
+    """Every module of this package's ``UNITS``, modules in name order."""
+    out = []
+    for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
+        out += getattr(importlib.import_module(f"{__name__}.{m.name}"), "UNITS", [])
+    return out
 
 
 UNITS = _units()

@@ -59,3 +59,6 @@ class WanUnit(Unit):
             if patches.get(name):
                 return f"a model patch ({name}) that needs the whole sequence"
         return ""
+
+
+UNITS = [WanUnit()]
