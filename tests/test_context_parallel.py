@@ -285,3 +285,33 @@ def test_a_model_without_a_unit_samples_on_one_gpu_and_says_so_once(zoo):
         sample(m, steps=2)
     said = [r.getMessage() for r in recs if "Context Parallel" in r.getMessage()]
     assert len(said) == 1 and "Flux" in said[0] and "samples on one GPU" in said[0]
+
+
+@pytest.mark.comfyui
+def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
+    """With ComfyUI's MultiGPU copies in the run's model options: one group of every GPU, the conds batched on the first
+    (its cond scheduler no longer sees the copies); with cfg_split on 4 GPUs, a group of 2 per cond (the scheduler sees
+    the groups' first GPUs); the options come back as they were after the run."""
+    z, mod, mappings = zoo
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+
+    class Copy:
+        def __init__(self, i):
+            self.model = f"model{i}"
+
+    devs = [torch.device("cuda", i) for i in range(4)]
+    clones = {d: Copy(i) for i, d in enumerate(devs)}
+    opts = {"multigpu_clones": dict(clones)}
+    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0), opts, None)
+    assert groups == [[(d, f"model{i}") for i, d in enumerate(devs)]] and "multigpu_clones" not in opts
+    restore()
+    assert opts["multigpu_clones"] == clones
+    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), opts, None)
+    assert groups == [[(devs[0], "model0"), (devs[1], "model1")], [(devs[2], "model2"), (devs[3], "model3")]]
+    assert list(opts["multigpu_clones"]) == [devs[0], devs[2]]
+    restore()
+    assert opts["multigpu_clones"] == clones
+    # two GPUs and cfg_split: one group (a cond per GPU would leave nothing to split)
+    two = {"multigpu_clones": {d: clones[d] for d in devs[:2]}}
+    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), two, None)
+    assert len(groups) == 1 and len(groups[0]) == 2

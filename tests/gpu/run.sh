@@ -64,6 +64,10 @@
 #                  explicit sparse rows (their dense steps on the fastest exact kernel); rows not usable here are left out
 #                  (PRESET, STEPS, ROWS and E2E_LIMIT override; e2e-exact-720p: Wan 1.3B 720p/81f, 2 steps, the exact rows)
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
+#   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
+#                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
+#                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds)
+#   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
@@ -280,6 +284,17 @@ stage_fa4() {  # all four within FA4_TOTAL seconds (default 540: one 10-minute c
   FA4_END=$(( $(date +%s) + ${FA4_TOTAL:-540} ))
   stage_fa4-install; stage_fa4-compile; stage_fa4-mask; stage_fa4-matrix
   FA4_END=0
+}
+
+MG_ROWS_DEFAULT=1:unpatched,1:auto_exact,1:sage_fp8_sm90,1:auto,cp:unpatched,cp:auto_exact,cp:sage_fp8_sm90,cp:auto
+stage_multigpu() {
+  local p=${MG_PRESET:-wan-1.3b} c=${MG_CFG:-1}
+  timeout "${MG_LIMIT:-540}" $PY tests/gpu/multigpu.py --preset "$p" --cfg "$c" --steps "${MG_STEPS:-3}" \
+    --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" \
+    --json "$OUT/multigpu-$p-cfg$c.json" --md "$OUT/multigpu-$p-cfg$c.md" 2>&1 | grep -v "it/s\]" | tail -n 60
+}
+stage_multigpu-smoke() {
+  MG_PRESET=wan-1.3b-33f MG_STEPS=2 MG_LIMIT=240 MG_ROWS=1:unpatched,cp:unpatched,cp:sdpa_math stage_multigpu
 }
 
 stage_zoo() {

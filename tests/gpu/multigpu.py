@@ -1,0 +1,263 @@
+"""Several GPUs of one machine: context parallelism and MultiGPU CFG Split, against the same backend on one GPU.
+
+    python tests/gpu/multigpu.py --preset wan-1.3b --cfg 1 --steps 3 \
+        --rows 1:unpatched,1:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 --json mg.json --md mg.md
+
+A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``cp`` (the Context Parallel node over every GPU), ``cfg`` (ComfyUI's
+MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of GPUs per cond); backend ``unpatched``
+or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
+The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
+first (the same weights; ComfyUI's own deep clones need a loader's file, these weights never were one).
+Per row: seconds per step (median between the sampler's step callbacks, after a one-step warm-up run that loads,
+tunes ``auto`` and compiles nothing), the whole run per step, the ratio to the same backend on one GPU, the final
+latent's relative L1 against the same backend on one GPU and against unpatched on one GPU, peak memory per GPU, and
+what Patch Attention counted (every GPU's lanes).
+
+``--diagnose BACKEND``: why a backend's CFG Split latent differs from its one-GPU latent: one step at CFG > 1, once
+with both conds in one batch on the first GPU, once split over the GPUs by CFG Split; every attention call's inputs
+and output summed per batch element, and the first call whose inputs agree but whose output does not (or the first
+whose inputs already differ) reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib
+import json
+import os
+import sys
+import time
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def load():
+    sys.path.insert(0, os.environ.get("COMFYUI_PATH") or os.path.join(ROOT, "..", ".."))
+    from comfy.cli_args import args as comfy_args
+
+    comfy_args.disable_smart_memory = True  # every row on the same resident weights
+    sys.path.insert(0, ROOT)
+    be = importlib.import_module("bench_e2e")
+    pack = be._load_pack()
+    return pack, importlib.import_module(pack.__name__ + ".nodes.e2e"), \
+        importlib.import_module(pack.__name__ + ".nodes.context_parallel")
+
+
+def copies(e2e, job, preset):
+    """The model's copy on every other GPU (same weights), registered as ComfyUI's MultiGPU clones of a clone of it."""
+    import comfy.model_patcher
+    import comfy.multigpu
+    import comfy.supported_models as sm
+
+    cls, unet = e2e.PRESETS[preset][:2]
+    base = job.model
+    out = []
+    for i in range(1, torch.cuda.device_count()):
+        dev = torch.device("cuda", i)
+        mc = getattr(sm, cls)(e2e.model_config(cls, unet))
+        mc.set_inference_dtype(torch.bfloat16, None)
+        model = mc.get_model({}, device=dev)
+        model.diffusion_model.load_state_dict(base.model.diffusion_model.state_dict())
+        p = comfy.model_patcher.ModelPatcher(model, load_device=dev, offload_device=dev)
+        p.clone_base_uuid = base.clone_base_uuid
+        p.is_multigpu_base_clone = True
+        out.append(p)
+    return out
+
+
+def with_copies(model, extra):
+    import comfy.multigpu
+
+    m = model.clone()
+    m.set_additional_models("multigpu", list(extra))
+    m.match_multigpu_clones()
+    comfy.multigpu.GPUOptionsGroup().register(m)
+    return m
+
+
+def row_model(pack, cpn, job, extra, row):
+    mode, backend = row.split(":", 1)
+    m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend, log_stats=True)
+    if mode == "1":
+        return m
+    m = with_copies(m, extra)
+    if mode == "cfg":
+        return m
+    return cpn.context_parallel(m, gpus=0, cfg_split=(mode == "cp-cfg"))
+
+
+def peaks():
+    return [round(torch.cuda.max_memory_allocated(i) / 2**30, 2) for i in range(torch.cuda.device_count())]
+
+
+def counted(pack, m):
+    ov = pack.nodes.patch.override_of(m)
+    if ov is None:
+        hook = m.model_options.get("transformer_options", {}).get("optimized_attention_override")
+        ov = getattr(hook, "inner", None)
+        if type(ov).__name__ != "AttentionOverride":
+            return None
+    return {"merged": dict(ov.stats.calls), "lanes": [{"device": str(ln.device), "calls": dict(ln.config.stats.calls)}
+                                                      for ln in ov.lanes()]}
+
+
+def rel_l1(a, b) -> float:
+    a, b = a.double(), b.double()
+    return float((a - b).abs().sum() / b.abs().sum())
+
+
+def run_rows(pack, e2e, cpn, job, extra, rows, say):
+    out, lat = [], {}
+    for row in rows:
+        r = {"row": row, "cfg": job.cfg, "steps": job.steps}
+        try:
+            m = row_model(pack, cpn, job, extra, row)
+            t0 = time.perf_counter()
+            e2e._sample(m, job, 1)  # warm-up: loads every GPU's copy, tunes auto, loads kernels
+            torch.cuda.synchronize()
+            r["warmup_s"] = round(time.perf_counter() - t0, 2)
+            for i in range(torch.cuda.device_count()):
+                torch.cuda.reset_peak_memory_stats(i)
+            latent, dt, whole = e2e._timed_sample(m, job)
+            r.update(s_per_step=round(dt, 4), s_per_step_whole=round(whole, 4), peak_gib=peaks(),
+                     finite=bool(torch.isfinite(latent).all()), counted=counted(pack, m))
+            lat[row] = latent.float().cpu()
+            del m
+        except Exception as e:  # a row's failure is a row of the table
+            import traceback
+
+            r["error"] = f"{type(e).__name__}: {e}"[:400]
+            r["trace"] = traceback.format_exc()[-3000:]
+        torch.cuda.empty_cache()
+        out.append(r)
+        say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted")}))
+    for r in out:
+        if "s_per_step" not in r:
+            continue
+        mode, backend = r["row"].split(":", 1)
+        one = next((x for x in out if x["row"] == f"1:{backend}" and "s_per_step" in x), None)
+        if one is not None:
+            r["vs_1gpu"] = round(one["s_per_step"] / r["s_per_step"], 3)
+            r["whole_vs_1gpu"] = round(one["s_per_step_whole"] / r["s_per_step_whole"], 3)
+            r["rel_l1_vs_1gpu"] = rel_l1(lat[r["row"]], lat[one["row"]])
+        if "1:unpatched" in lat:
+            r["rel_l1_vs_unpatched_1gpu"] = rel_l1(lat[r["row"]], lat["1:unpatched"])
+    return out
+
+
+def diagnose(pack, e2e, job, extra, backend, say):
+    """Per attention call of one CFG step: the inputs' and output's sums per cond, one GPU batched vs CFG Split."""
+    import dataclasses
+
+    base = pack.nodes.patch.patch_model(job.model, backend)
+    ov = pack.nodes.patch.override_of(base)
+    record = []
+    real = type(ov).__call__
+
+    def recording(self, func, *args, **kwargs):
+        out = real(self, func, *args, **kwargs)
+        a, _ = pack.nodes.hook.bind(args, kwargs)
+        sums = lambda t: [float(x) for x in t.double().flatten(1).sum(1)]  # noqa: E731
+        record.append((str(a["q"].device), kwargs.get("transformer_options", {}).get("cond_or_uncond"),
+                       sums(a["q"]), sums(a["k"]), sums(out)))
+        return out
+
+    type(ov).__call__ = recording
+    try:
+        j = dataclasses.replace(job, steps=1)
+        record.clear()
+        e2e._sample(base, j, 1)
+        one = list(record)
+        record.clear()
+        e2e._sample(with_copies(base, extra), j, 1)
+        split = list(record)
+    finally:
+        type(ov).__call__ = real
+    # one GPU: each call holds both conds (batch order = cond_or_uncond); split: each device's calls hold one
+    by_dev = {}
+    for dev, cu, *sums in split:
+        by_dev.setdefault(dev, []).append((cu, sums))
+    report = {"backend": backend, "calls_one_gpu": len(one), "calls_split": {d: len(v) for d, v in by_dev.items()}}
+    first_out = first_in = None
+    for i, (_dev, cu, qs, ks, os_) in enumerate(one):
+        for dv, calls in by_dev.items():
+            if i >= len(calls):
+                continue
+            (cu2, (q2, k2, o2)) = calls[i]
+            c = cu2[0]
+            j = cu.index(c)
+            same_in = q2[0] == qs[j] and k2[0] == ks[j]
+            same_out = o2[0] == os_[j]
+            if not same_in and first_in is None:
+                first_in = {"call": i, "device": dv, "cond": c, "q": (qs[j], q2[0]), "k": (ks[j], k2[0])}
+            if same_in and not same_out and first_out is None:
+                first_out = {"call": i, "device": dv, "cond": c, "out": (os_[j], o2[0])}
+    report["first_call_inputs_differ"] = first_in
+    report["first_call_same_inputs_other_output"] = first_out
+    say(json.dumps(report))
+    return report
+
+
+def render(meta, rows) -> str:
+    lines = [f"{meta['gpus']} · torch {meta['torch']} · ComfyUI {meta['comfyui']} · {meta['date']} · {meta['preset']}, "
+             f"CFG {meta['cfg']}, {meta['steps']} euler steps after a 1-step warm-up, random bf16 weights", "",
+             "| row | s/step | whole run s/step | vs 1 GPU (same backend) | latent rel-L1 vs 1 GPU | vs unpatched 1 GPU | peak GiB per GPU |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if "error" in r:
+            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | |")
+            continue
+        lines.append(f"| {r['row']} | {r['s_per_step']:.4f} | {r['s_per_step_whole']:.4f} | {r.get('vs_1gpu', '-')} | "
+                     f"{r.get('rel_l1_vs_1gpu', float('nan')):.2e} | {r.get('rel_l1_vs_unpatched_1gpu', float('nan')):.2e} | "
+                     f"{' / '.join(str(p) for p in r['peak_gib'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--preset", default="wan-1.3b")
+    ap.add_argument("--cfg", type=float, default=1.0)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", default="1:unpatched,cp:unpatched")
+    ap.add_argument("--diagnose", default="", help="comma-separated backends to diagnose (CFG > 1)")
+    ap.add_argument("--json"), ap.add_argument("--md")
+    a = ap.parse_args(argv)
+    pack, e2e, cpn = load()
+    from comfyui_version import __version__ as comfy_version
+
+    def say(s):
+        print(s, flush=True)
+
+    t0 = time.perf_counter()
+    job = e2e.build_preset(a.preset)
+    job.cfg, job.steps = a.cfg, a.steps
+    extra = copies(e2e, job, a.preset)
+    say(f"built {a.preset} on {torch.cuda.device_count()} GPUs in {time.perf_counter() - t0:.0f} s")
+    meta = {"gpus": " + ".join(torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())),
+            "torch": torch.__version__, "comfyui": comfy_version, "date": datetime.date.today().isoformat(),
+            "preset": a.preset, "cfg": a.cfg, "steps": a.steps}
+    res = {"meta": meta, "rows": [], "diagnose": []}
+
+    def save():
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(res, f, indent=1)
+        if a.md:
+            with open(a.md, "w") as f:
+                f.write(render(meta, [r for r in res["rows"]]))
+
+    for b in [x for x in a.diagnose.split(",") if x]:
+        res["diagnose"].append(diagnose(pack, e2e, job, extra, b, say))
+        save()
+    rows = [r for r in a.rows.split(",") if r]
+    res["rows"] = run_rows(pack, e2e, cpn, job, extra, rows, say)
+    save()
+    print(render(meta, res["rows"]))
+
+
+if __name__ == "__main__":
+    main()
