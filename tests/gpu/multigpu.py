@@ -155,16 +155,23 @@ def diagnose(pack, e2e, job, extra, backend, say):
 
     base = pack.nodes.patch.patch_model(job.model, backend)
     ov = pack.nodes.patch.override_of(base)
-    record = []
+    record, kept = [], []
     real = type(ov).__call__
 
     def recording(self, func, *args, **kwargs):
-        out = real(self, func, *args, **kwargs)
         a, _ = pack.nodes.hook.bind(args, kwargs)
-        sums = lambda t: [float(x) for x in t.double().flatten(1).sum(1)]  # noqa: E731
+        if keep[0]:
+            kept.append((a["q"].clone(), a["k"].clone(), a["v"].clone(), a["heads"]))
+        qs, ks, vs = (sums(a[n]) for n in "qkv")
+        out = real(self, func, *args, **kwargs)
         record.append((str(a["q"].device), kwargs.get("transformer_options", {}).get("cond_or_uncond"),
-                       sums(a["q"]), sums(a["k"]), sums(out)))
+                       [x + y for x, y in zip(qs, vs)], ks, sums(out)))
         return out
+
+    def sums(t):
+        return [float(x) for x in t.double().flatten(1).sum(1)]
+
+    keep = [True]
 
     type(ov).__call__ = recording
     try:
@@ -172,6 +179,7 @@ def diagnose(pack, e2e, job, extra, backend, say):
         record.clear()
         e2e._sample(base, j, 1)
         one = list(record)
+        keep[0] = False
         record.clear()
         e2e._sample(with_copies(base, extra), j, 1)
         split = list(record)
@@ -198,6 +206,29 @@ def diagnose(pack, e2e, job, extra, backend, say):
                 first_out = {"call": i, "device": dv, "cond": c, "out": (os_[j], o2[0])}
     report["first_call_inputs_differ"] = first_in
     report["first_call_same_inputs_other_output"] = first_out
+    if first_out is not None and backend in pack.attention.REGISTRY:
+        # that call's inputs straight into the kernel through the dispatcher: both conds in one batch, and each cond
+        # alone, on the first GPU and on the other: whether the kernel's result depends on the batch or the device
+        q, k, v, heads = kept[first_out["call"]]
+        cfg = pack.attention.AttentionConfig(backend=backend)
+        att = pack.attention.attention
+        both = att(q, k, v, heads, config=cfg)
+        direct = {}
+        for i in range(q.shape[0]):
+            alone = att(q[i:i + 1], k[i:i + 1], v[i:i + 1], heads, config=cfg)
+            direct[f"cond{i} alone, cuda:0 vs in the batch"] = float((alone[0] - both[i]).abs().max())
+            for d in range(1, torch.cuda.device_count()):
+                dev = torch.device("cuda", d)
+                with torch.cuda.device(dev):
+                    other = att(q[i:i + 1].to(dev), k[i:i + 1].to(dev), v[i:i + 1].to(dev), heads, config=cfg).to(q.device)
+                direct[f"cond{i} alone, cuda:{d} vs cuda:0"] = float((other[0] - alone[0]).abs().max())
+            again = att(q[i:i + 1], k[i:i + 1], v[i:i + 1], heads, config=cfg)
+            direct[f"cond{i} alone twice, cuda:0"] = float((again[0] - alone[0]).abs().max())
+        again = att(q, k, v, heads, config=cfg)
+        direct["the batch twice, cuda:0"] = float((again - both).abs().max())
+        report["kernel_max_abs_diff"] = direct
+        report["call_shape"] = [list(q.shape), list(k.shape), heads]
+    kept.clear()
     say(json.dumps(report))
     return report
 
