@@ -284,7 +284,7 @@ def main(argv=None):
     for b in [x for x in a.diagnose.split(",") if x]:
         res["diagnose"].append(diagnose(pack, e2e, job, extra, b, say))
         save()
-    rows = [r for r in a.rows.split(",") if r]
+    rows = [r for r in a.rows.split(",") if r and r != "none"]
     res["rows"] = run_rows(pack, e2e, cpn, job, extra, rows, say)
     save()
     print(render(meta, res["rows"]))

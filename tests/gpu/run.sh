@@ -67,6 +67,8 @@
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds)
+#   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split
+#   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
@@ -292,6 +294,14 @@ stage_multigpu() {
   timeout "${MG_LIMIT:-540}" $PY tests/gpu/multigpu.py --preset "$p" --cfg "$c" --steps "${MG_STEPS:-3}" \
     --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" \
     --json "$OUT/multigpu-$p-cfg$c.json" --md "$OUT/multigpu-$p-cfg$c.md" 2>&1 | grep -v "it/s\]" | tail -n 60
+}
+MG14_ROWS=1:auto_exact,1:sage_fp8_sm90,cp:auto_exact,cp:sage_fp8_sm90
+stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute call)
+  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=${MG14_LIMIT:-310} MG_ROWS=$MG14_ROWS stage_multigpu
+  MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=150 MG_ROWS=$MG14_ROWS stage_multigpu
+}
+stage_multigpu-diagnose() {  # why Sage's CFG Split latent differs from one GPU's (Wan 1.3B 480p, CFG 5)
+  MG_CFG=5 MG_ROWS=none MG_DIAGNOSE=${MG_DIAGNOSE:-sage_fp8_sm90} MG_LIMIT=90 stage_multigpu
 }
 stage_multigpu-smoke() {
   MG_PRESET=wan-1.3b-33f MG_STEPS=2 MG_LIMIT=240 MG_ROWS=1:unpatched,cp:unpatched,cp:sdpa_math stage_multigpu
