@@ -77,14 +77,24 @@ class Group:
 
 
 def _copier(stream):
-    """``copy(dst, src)`` on ``stream`` (the source's), or on the current stream when None (a rank's own tensors)."""
+    """``copy(dst, src)`` on ``stream`` (the source's), or on the current stream when None (a rank's own tensors).
+
+    Between devices only whole blocks of memory travel: a strided source (a share of the heads) is first made
+    contiguous on its own device, and a strided destination is filled from a contiguous copy on this one; a strided
+    copy across devices would read or write the other GPU's memory in pieces of one head's row."""
     if stream is None:
         def copy(dst, src):
             dst.copy_(src)
     else:
         def copy(dst, src):
             with torch.cuda.stream(stream):
-                dst.copy_(src, non_blocking=True)
+                if not src.is_contiguous():
+                    src = src.contiguous()
+                if dst.is_contiguous():
+                    dst.copy_(src, non_blocking=True)
+                    return
+                tmp = src.to(dst.device, non_blocking=True)
+            dst.copy_(tmp)
     return copy
 
 
