@@ -110,7 +110,19 @@ def rel_l1(a, b) -> float:
     return float((a - b).abs().sum() / b.abs().sum())
 
 
-def run_rows(pack, e2e, cpn, job, extra, rows, say):
+def profile_step(e2e, m, job) -> str:
+    """One step under torch.profiler, both GPUs: the top device operations by time (a table)."""
+    import dataclasses
+
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        e2e._sample(m, dataclasses.replace(job, steps=1), 1)
+        torch.cuda.synchronize()
+    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+
+
+def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
     out, lat = [], {}
     for row in rows:
         r = {"row": row, "cfg": job.cfg, "steps": job.steps}
@@ -123,6 +135,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say):
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
             latent, dt, whole = e2e._timed_sample(m, job)
+            if row in profile_rows:
+                r["profile"] = profile_step(e2e, m, job)
             r.update(s_per_step=round(dt, 4), s_per_step_whole=round(whole, 4), peak_gib=peaks(),
                      finite=bool(torch.isfinite(latent).all()), counted=counted(pack, m))
             lat[row] = latent.float().cpu()
@@ -134,7 +148,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say):
             r["trace"] = traceback.format_exc()[-3000:]
         torch.cuda.empty_cache()
         out.append(r)
-        say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted")}))
+        say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
     for r in out:
         if "s_per_step" not in r:
             continue
@@ -255,6 +269,7 @@ def main(argv=None):
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--rows", default="1:unpatched,cp:unpatched")
     ap.add_argument("--diagnose", default="", help="comma-separated backends to diagnose (CFG > 1)")
+    ap.add_argument("--profile", default="", help="comma-separated rows to profile one step of (in --json)")
     ap.add_argument("--json"), ap.add_argument("--md")
     a = ap.parse_args(argv)
     pack, e2e, cpn = load()
@@ -285,7 +300,7 @@ def main(argv=None):
         res["diagnose"].append(diagnose(pack, e2e, job, extra, b, say))
         save()
     rows = [r for r in a.rows.split(",") if r and r != "none"]
-    res["rows"] = run_rows(pack, e2e, cpn, job, extra, rows, say)
+    res["rows"] = run_rows(pack, e2e, cpn, job, extra, rows, say, [x for x in a.profile.split(",") if x])
     save()
     print(render(meta, res["rows"]))
 

@@ -292,13 +292,13 @@ MG_ROWS_DEFAULT=1:unpatched,1:auto_exact,1:sage_fp8_sm90,1:auto,cp:unpatched,cp:
 stage_multigpu() {
   local p=${MG_PRESET:-wan-1.3b} c=${MG_CFG:-1}
   timeout "${MG_LIMIT:-540}" $PY tests/gpu/multigpu.py --preset "$p" --cfg "$c" --steps "${MG_STEPS:-3}" \
-    --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" \
+    --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" --profile "${MG_PROFILE:-}" \
     --json "$OUT/multigpu-$p-cfg$c.json" --md "$OUT/multigpu-$p-cfg$c.md" 2>&1 | grep -v "it/s\]" | tail -n 60
 }
 MG14_ROWS=1:auto_exact,1:sage_fp8_sm90,cp:auto_exact,cp:sage_fp8_sm90
 stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute call)
   MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=${MG14_LIMIT:-310} MG_ROWS=$MG14_ROWS stage_multigpu
-  MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=150 MG_ROWS=$MG14_ROWS stage_multigpu
+  MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=150 MG_ROWS=$MG14_ROWS MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
 }
 stage_multigpu-diagnose() {  # why Sage's CFG Split latent differs from one GPU's (Wan 1.3B 480p, CFG 5)
   MG_CFG=5 MG_ROWS=none MG_DIAGNOSE=${MG_DIAGNOSE:-sage_fp8_sm90} MG_LIMIT=90 stage_multigpu
