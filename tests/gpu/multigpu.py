@@ -81,7 +81,7 @@ def with_copies(model, extra):
 
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
-    m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend, log_stats=True)
+    m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend)
     if mode == "1":
         return m
     m = with_copies(m, extra)
