@@ -296,7 +296,7 @@ def test_median_interval_is_distribution_free():
 
     from pack import load
 
-    e2e = importlib.import_module(load().__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(load().__name__ + ".measure.e2e")
     # n = 30: ranks 10 and 21 (1-based) bound the median with 95.7 % coverage; n = 8: the whole range (99.2 %)
     assert e2e.median_ci(list(range(30, 0, -1))) == (15.5, 10, 21)
     assert e2e.median_ci([3, 1, 2, 8, 5, 4, 7, 6]) == (4.5, 1, 8)
@@ -310,7 +310,7 @@ def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pac
     import importlib
 
     mod, _ = pack
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     from comfyui_support import flux_conds
 
     pos, neg = flux_conds()
@@ -344,7 +344,7 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
     import torch.profiler
 
     mod, _ = pack
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     from comfyui_support import flux_conds
 
     calls, marks = [], []
@@ -377,7 +377,7 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
 
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
     mod, _ = pack
-    e2e = mod.nodes.e2e
+    e2e = mod.measure.e2e
     base = tiny_flux()
     ref = sample(base)
     m = e2e.make_row_model(base, "peer:sdpa_math")

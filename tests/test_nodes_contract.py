@@ -150,7 +150,9 @@ def test_benchmark_node_without_a_gpu_says_so_and_checks_presets():
 
 
 def test_benchmark_shapes_are_parsed_with_clear_errors():
-    bench = P.attention.bench
+    from importlib import import_module
+
+    bench = import_module(P.__name__ + ".measure.bench")
     shapes = bench.parse_shapes(["flux"], ["1,2,300,64", "2,4,100,40,77"])
     assert shapes["1,2,300,64"][:5] == (1, 2, 300, 64, None) and shapes["2,4,100,40,77"][4] == 77 and "flux" in shapes
     with pytest.raises(ValueError, match="B,H,N,D or B,H,N,D,Nk"):

@@ -108,7 +108,7 @@ def test_benchmark_reports_psnr_and_ssim_against_the_fp32_run(trained, pack_back
 
     sd, path, meta, _ = trained
     mod = load()  # the pack the pack_backend fixture registers in
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     A = mod.attention
 
     def lossy(q, k, v, *, layout, mask, scale, opts):  # q and k on a coarse grid: an 8-bit-like error

@@ -11,7 +11,7 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
    ``--train-seconds`` and saved to ``$STANDIN_WEIGHTS`` (default /tmp/standin.safetensors; too big to come back).
    ``--skip-train`` uses that file as it is (a second call on the same machine, with ``--phases``).
 2. ``load``: through ``comfy.sd.load_diffusion_model``, in bf16 and in fp32 (the quality reference).
-3. ``concentration-480p``: per layer and head, at steps 2, 5 and 8 of a 10-step run (attention.concentration).
+3. ``concentration-480p``: per layer and head, at steps 2, 5 and 8 of a 10-step run (measure.concentration).
 4. ``tune``: Tune Sparse Attention on the stand-in (SpargeAttn and Sol-Attn profiles at the default budget; Sol-Attn
    also at tighter and looser budgets, for the budget calibration).
 5. ``rows-480p``: unpatched, flash_attn4 (if present), sdpa_cudnn, sage_fp8_sm90, sparge, sparge_topk, kitchen_sol,
@@ -20,7 +20,7 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
    (else the unpatched row).
 7. ``calibration-480p``: per-call (cos, rel-L1) of every lossy setting on captured real calls (what auto's gate sees),
    more settings sampled end to end as the budget allows (``--sweep``), the gate and budget proposed by the rule
-   (attention.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
+   (measure.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
 
 Writes ``quality.json``, ``quality.md``, ``quality-rows.json`` (``bench_e2e.py --plot-from`` reads it),
 and ``quality-frontier.png`` (where matplotlib is) under ``--out`` (the stand-in's metadata is in quality.json); one line
@@ -334,10 +334,10 @@ def main(argv=None):
     if not a.tiny and not torch.cuda.is_available():
         sys.exit("quality: needs a CUDA GPU (--tiny: a dry run on the CPU)")
     pack = be._load_pack()
-    e2e = importlib.import_module(pack.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(pack.__name__ + ".measure.e2e")
     patch = importlib.import_module(pack.__name__ + ".nodes.patch")
-    conc = importlib.import_module(pack.__name__ + ".attention.concentration")
-    cal = importlib.import_module(pack.__name__ + ".attention.calibrate")
+    conc = importlib.import_module(pack.__name__ + ".measure.concentration")
+    cal = importlib.import_module(pack.__name__ + ".measure.calibrate")
     auto_mod = importlib.import_module(pack.__name__ + ".attention.auto")
     sd = be.standin_module()
     REG = pack.attention.REGISTRY
