@@ -143,7 +143,7 @@ def main(argv=None):
             save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
         if finals:
             mine = [r for r in results if r["preset"] == preset]
-            pictures.frames(mine, finals, decode).save(f"{os.path.splitext(a.json)[0]}-frames-{preset}.png")
+            pictures.frames(mine, finals, decode).image.save(f"{os.path.splitext(a.json)[0]}-frames-{preset}.png")
         del job, finals
         torch.cuda.empty_cache()
     bar.close()

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import logging
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +31,7 @@ BAND_DB = 3.0  # the band below the exact floor that the chart shades
 HEAT_FULL = 0.25  # a difference of this share of the pixel range (or more) is white in the heatmaps
 
 WHITE = (255, 255, 255)
+PAPER = (236, 236, 236)  # behind the frames: a white (largest) difference stands out from it
 INK = (30, 30, 30)
 GRID = (228, 228, 228)
 BAND = (206, 234, 206)  # the band below the floor (no other part of the chart uses it)
@@ -120,7 +121,14 @@ class Axes:
 @dataclass
 class Chart:
     image: Image.Image
-    panels: list
+    panels: list  # Axes, one per preset
+
+
+@dataclass
+class Frames:
+    image: Image.Image
+    shown: dict = field(default_factory=dict)  # row -> the boxes (x0, y0, x1, y1) of its frames
+    heat: dict = field(default_factory=dict)  # row -> the boxes of its difference heatmaps
 
 
 def chart(rows: list[dict], title: str = "", width: int = 960, panel_height: int = 560) -> Chart:
@@ -172,6 +180,8 @@ def _panel(d: ImageDraw.ImageDraw, box, preset: str, rows: list[dict]) -> Axes |
               x0=lo_x - xpad, x1=hi_x + xpad, y0=lo_db - pad, y1=hi_db + pad, floor=finite_floor)
     if has_inf:
         ax.inf_lane = ax.top - 16
+    if finite_floor is not None:  # the band first: the grid stays visible on it
+        d.rectangle([ax.left + 1, ax.y(finite_floor), ax.right - 1, ax.y(finite_floor - BAND_DB)], fill=BAND)
     # grid and ticks
     step = _step(ax.x1 - ax.x0)
     v = math.ceil(ax.x0 / step) * step
@@ -188,7 +198,6 @@ def _panel(d: ImageDraw.ImageDraw, box, preset: str, rows: list[dict]) -> Axes |
         text(d, (ax.left - 6, py), f"{v:g}", INK, small, "rm")
         v += step
     if finite_floor is not None:
-        d.rectangle([ax.left + 1, ax.y(finite_floor), ax.right - 1, ax.y(finite_floor - BAND_DB)], fill=BAND)
         d.line([(ax.left, ax.y(finite_floor)), (ax.right, ax.y(finite_floor))], fill=FLOOR, width=2)
         text(d, (ax.right + 6, ax.y(finite_floor)), f"exact floor {finite_floor:.2f} dB", FLOOR, small, "lm")
         text(d, (ax.right + 6, ax.y(finite_floor - BAND_DB)), f"{BAND_DB:g} dB below it", FLOOR, small, "lm")
@@ -202,12 +211,12 @@ def _panel(d: ImageDraw.ImageDraw, box, preset: str, rows: list[dict]) -> Axes |
     text(d, ((ax.left + ax.right) / 2, ax.bottom + 24), "whole run: speed against unpatched (higher is faster)", INK, f,
          "ma")
     text(d, (bx0 + 12, (ax.top + ax.bottom) / 2), "PSNR dB", INK, small, "lm")
-    taken = []
-    for r in sorted(pts, key=lambda r: (-r["psnr"], _speed(r))):
-        px, py = ax.x(_speed(r)), ax.y(r["psnr"])
+    marks = [(ax.x(_speed(r)), ax.y(r["psnr"]), r) for r in sorted(pts, key=lambda r: (-r["psnr"], _speed(r)))]
+    taken = [(px - 5, py - 5, px + 5, py + 5) for px, py, _ in marks]  # labels keep off every point
+    for px, py, r in marks:
         colour = EXACT if r.get("exact") else AUTO if r["row"].startswith("auto") else OTHER
         d.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colour)
-        _label(d, taken, px, py, r["row"], colour, small)
+        _label(d, taken, px, py, r["row"], colour, small, (ax.left, ax.top - 28, ax.right + 140, ax.bottom))
     if missing:
         d.text((ax.left, by1 - 18), "not drawn (no speed or PSNR): " + ", ".join(missing)[:140], fill=INK, font=small)
     elif finite_floor is None:
@@ -216,15 +225,21 @@ def _panel(d: ImageDraw.ImageDraw, box, preset: str, rows: list[dict]) -> Axes |
     return ax
 
 
-def _label(d, taken: list, px: float, py: float, text: str, colour, f) -> None:
-    """The row's name beside its point, on the first side where it overlaps no earlier label."""
+def _label(d, taken: list, px: float, py: float, text: str, colour, f, bounds) -> None:
+    """The row's name beside its point: of eight places around it, the first that overlaps no point and no earlier
+    label and stays in ``bounds`` (else the one that overlaps least)."""
     w = d.textlength(text, font=f)
     h = 14
-    for dx, dy in ((8, -h / 2), (-8 - w, -h / 2), (8, -h - 4), (8, 4), (-8 - w, -h - 4), (-8 - w, 4), (8, -2 * h - 4),
-                   (8, h + 4)):
-        bb = (px + dx, py + dy, px + dx + w, py + dy + h)
-        if not any(bb[0] < t[2] and t[0] < bb[2] and bb[1] < t[3] and t[1] < bb[3] for t in taken):
-            break
+
+    def overlap(bb):
+        area = sum(max(0, min(bb[2], t[2]) - max(bb[0], t[0])) * max(0, min(bb[3], t[3]) - max(bb[1], t[1])) for t in taken)
+        outside = bb[0] < bounds[0] or bb[2] > bounds[2] or bb[1] < bounds[1] or bb[3] > bounds[3]
+        return area + (10 * w * h if outside else 0)
+
+    places = [(px + dx, py + dy, px + dx + w, py + dy + h) for dx, dy in
+              ((8, -h / 2), (-8 - w, -h / 2), (6, -h - 4), (6, 4), (-6 - w, -h - 4), (-6 - w, 4), (-w / 2, -h - 8),
+               (-w / 2, 8))]
+    bb = min(places, key=lambda b: (overlap(b) > 0, overlap(b)))
     taken.append(bb)
     d.text((bb[0], bb[1]), text, fill=colour, font=f)
 
@@ -240,14 +255,16 @@ def heatmap(diff: torch.Tensor) -> torch.Tensor:
     return (rgb * 255).round().to(torch.uint8)
 
 
+def frame_indices(t: int, count: int = 3) -> list[int]:
+    """``count`` frames of ``t`` spread evenly, the first and the last included."""
+    k = min(count, t)
+    return sorted({round(i * (t - 1) / max(k - 1, 1)) for i in range(k)})
+
+
 def pick_frames(images: torch.Tensor, count: int = 3) -> torch.Tensor:
-    """The frames to show of one decoded output: ``[H, W, 3]`` -> ``[1, H, W, 3]``; ``[T, H, W, 3]`` -> ``count``
-    frames spread over T, first and last included."""
-    if images.ndim == 3:
-        return images[None]
-    t = images.shape[0]
-    idx = sorted({round(i * (t - 1) / max(count - 1, 1)) for i in range(min(count, t))})
-    return images[idx]
+    """The frames to show of one decoded output: ``[H, W, 3]`` -> ``[1, H, W, 3]``; ``[T, H, W, 3]`` -> the
+    :func:`frame_indices` of T."""
+    return images[None] if images.ndim == 3 else images[frame_indices(images.shape[0], count)]
 
 
 def _tile(x: torch.Tensor, size: tuple[int, int]) -> Image.Image:
@@ -260,33 +277,45 @@ def _tile(x: torch.Tensor, size: tuple[int, int]) -> Image.Image:
     return Image.fromarray((x * 255).round().to(torch.uint8).numpy(), "RGB")
 
 
-def frames(rows: list[dict], latents: dict, decode, count: int = 3, width: int = 1600, max_tile_height: int = 320):
+def frames(rows: list[dict], latents: dict, decode, count: int = 3, width: int = 1600, max_tile_height: int = 320) -> Frames:
     """Each row's final latent (``latents[row name]``) decoded, its frames beside the heatmap of their difference to
     the unpatched row's; one band per row, labelled with its PSNR and speed.  ``decode(latent)`` returns ComfyUI's
     image layout (a VAE's ``decode``).  Rows without a latent (a row that failed) are left out."""
     names = [r["row"] for r in rows if r["row"] in latents]
     base = next((n for n in names if n.startswith(UNPATCHED)), None)
     if base is None:
-        return message("No unpatched row with an output: nothing to compare the rows' frames with.")
-    decoded = {}
+        return Frames(message("No unpatched row with an output: nothing to compare the rows' frames with."))
+    decoded, frames_of = {}, []
 
     def shown(name):
         if name not in decoded:
-            out = decode(latents[name][:1])
-            decoded[name] = pick_frames(out[0].float().cpu(), count)
+            out = decode(latents[name][:1])[0].detach().float().cpu()
+            if not frames_of:
+                frames_of.append(out.shape[0] if out.ndim == 4 else 0)
+            decoded[name] = pick_frames(out, count)
         return decoded[name]
 
-    ref = shown(base)
+    try:
+        ref = shown(base)
+    except Exception as e:  # a VAE that does not fit this model's latent: the benchmark's other outputs stand
+        log.warning("e2e frames: decoding %s failed", base, exc_info=True)
+        return Frames(message(f"The VAE could not decode the {base} row's latent {tuple(latents[base].shape)}: "
+                              f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"))
     n, h, w = ref.shape[0], ref.shape[1], ref.shape[2]
+    gap = 3
     scale = min(1.0, width / (2 * n * w), max_tile_height / h)
     tw, th = max(1, round(w * scale)), max(1, round(h * scale))
+    step = tw + gap
     label_h = 22
     by_name = {r["row"]: r for r in rows}
-    img = Image.new("RGB", (2 * n * tw + 8, 30 + len(names) * (th + label_h + 6)), WHITE)
+    img = Image.new("RGB", (2 * n * step + 8, 30 + len(names) * (th + label_h + 6)), PAPER)
     d = ImageDraw.Draw(img)
+    out = Frames(img)
     f = font(13)
-    d.text((4, 6), f"Each row: its output ({n} frame{'s' if n > 1 else ''}), then its difference to {base} "
-                   f"(black: none; white: {HEAT_FULL:.0%} of the pixel range or more)", fill=INK, font=f)
+    what = (f"frames {', '.join(str(i + 1) for i in frame_indices(frames_of[0], count))} of {frames_of[0]} of its "
+            "output" if frames_of[0] else "its output")
+    d.text((4, 6), f"Each row: {what}, then the difference to {base}'s (black: none; white: {HEAT_FULL:.0%} of the "
+                   "pixel range or more)", fill=INK, font=f)
     y = 30
     for name in names:
         r = by_name[name]
@@ -309,11 +338,16 @@ def frames(rows: list[dict], latents: dict, decode, count: int = 3, width: int =
             bits.append("PSNR inf (equal to the reference)" if psnr == math.inf else f"PSNR {psnr:.2f} dB")
         if _speed(r) is not None:
             bits.append(f"x{_speed(r):.3f} whole run")
+        if r.get("finite") is False:
+            bits.append("output not finite (NaN/inf)")
         d.text((4, y + 3), " | ".join(bits), fill=INK, font=f)
         y += label_h
         for i in range(n):
-            img.paste(_tile(got[i], (tw, th)), (i * tw, y))
-            diff = (got[i] - ref[i]).abs().mean(dim=-1)
-            img.paste(_tile(heatmap(diff), (tw, th)), (n * tw + 8 + i * tw, y))
+            box = (i * step, y, i * step + tw, y + th)
+            img.paste(_tile(got[i], (tw, th)), box[:2])
+            out.shown.setdefault(name, []).append(box)
+            box = (n * step + 8 + i * step, y, n * step + 8 + i * step + tw, y + th)
+            img.paste(_tile(heatmap((got[i] - ref[i]).abs().mean(dim=-1)), (tw, th)), box[:2])
+            out.heat.setdefault(name, []).append(box)
         y += th + 6
-    return img
+    return out

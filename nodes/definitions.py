@@ -360,7 +360,7 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
         frames = pictures.message("No VAE connected: connect your model's VAE to see each row's decoded output beside "
                                   "its difference to the unpatched row.")
     else:
-        frames = pictures.frames(results, latents, vae.decode)
+        frames = pictures.frames(results, latents, vae.decode).image
     return report, pictures.to_image(chart), pictures.to_image(frames)
 
 

@@ -277,9 +277,12 @@ def test_end_to_end_benchmark_node_on_a_real_model(pack):
 
     pos, neg = flux_conds()
     latent = {"samples": torch.zeros(1, 16, 16, 16)}
-    report = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg, latent_image=latent,
-                      steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0,
-                      rows="unpatched, sdpa, sdpa_math, auto, peer:sdpa_math", peers=True, compile=False)[0]
+    report, chart, frames = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg,
+                                     latent_image=latent, steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0,
+                                     rows="unpatched, sdpa, sdpa_math, auto, peer:sdpa_math", peers=True, compile=False)
+    for img in (chart, frames):  # ComfyUI IMAGEs: [1, H, W, 3] in [0, 1]; without a VAE the frames say so
+        assert img.dtype == torch.float32 and img.shape[0] == 1 and img.shape[-1] == 3 and 0 <= img.min() < img.max() <= 1
+    assert chart.shape[1] >= 400 and chart.shape[2] >= 600 and frames.shape[1] < 200
     lines = [ln for ln in report.splitlines() if ln.startswith("| Flux |")]
     assert [ln.split(" | ")[1] for ln in lines] == ["unpatched", "sdpa", "sdpa_math", "auto", "peer:sdpa_math"]
     for ln in lines:  # every row exact here: the same latent as unpatched
@@ -289,6 +292,27 @@ def test_end_to_end_benchmark_node_on_a_real_model(pack):
     with pytest.raises(ValueError, match="unknown row"):
         run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg, latent_image=latent,
                  steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0, rows="nope", peers=True, compile=False)
+
+
+def test_end_to_end_benchmark_node_decodes_every_row_with_the_vae(pack):
+    """With a VAE (ComfyUI's own VAE object): each row's final latent decoded beside its difference to unpatched."""
+    _, mappings = pack
+    from comfyui_support import flux_conds, tiny_vae
+
+    pos, neg = flux_conds()
+    decoded = []
+    vae = tiny_vae()
+    decode = vae.decode
+    vae.decode = lambda z: decoded.append(tuple(z.shape)) or decode(z)
+    report, chart, frames = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg,
+                                     latent_image={"samples": torch.zeros(1, 16, 16, 16)}, steps=1, cfg=1.0,
+                                     sampler_name="euler", scheduler="simple", seed=0, rows="unpatched, sdpa_math",
+                                     peers=False, compile=False, vae=vae)
+    assert "| Flux | sdpa_math |" in report
+    assert decoded == [(1, 16, 16, 16)] * 2  # each row's final latent, once
+    assert frames.dtype == torch.float32 and frames.shape[0] == 1 and frames.shape[-1] == 3
+    assert frames.shape[1] >= 2 * 128 and frames.shape[2] >= 2 * 128  # two rows of a 128 px frame and its heatmap
+    assert 0 <= frames.min() < frames.max() <= 1
 
 
 def test_median_interval_is_distribution_free():
