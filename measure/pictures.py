@@ -277,6 +277,18 @@ def _tile(x: torch.Tensor, size: tuple[int, int]) -> Image.Image:
     return Image.fromarray((x * 255).round().to(torch.uint8).numpy(), "RGB")
 
 
+def _caption(r: dict) -> str:
+    psnr = r.get("psnr")
+    bits = [r["row"]]
+    if psnr is not None:
+        bits.append("PSNR inf (equal to the reference)" if psnr == math.inf else f"PSNR {psnr:.2f} dB")
+    if _speed(r) is not None:
+        bits.append(f"x{_speed(r):.3f} whole run")
+    if r.get("finite") is False:
+        bits.append("output not finite (NaN/inf)")
+    return " | ".join(bits)
+
+
 def frames(rows: list[dict], latents: dict, decode, count: int = 3, width: int = 1600, max_tile_height: int = 320) -> Frames:
     """Each row's final latent (``latents[row name]``) decoded, its frames beside the heatmap of their difference to
     the unpatched row's; one band per row, labelled with its PSNR and speed.  ``decode(latent)`` returns ComfyUI's
@@ -308,14 +320,17 @@ def frames(rows: list[dict], latents: dict, decode, count: int = 3, width: int =
     step = tw + gap
     label_h = 22
     by_name = {r["row"]: r for r in rows}
-    img = Image.new("RGB", (2 * n * step + 8, 30 + len(names) * (th + label_h + 6)), PAPER)
-    d = ImageDraw.Draw(img)
-    out = Frames(img)
     f = font(13)
     what = (f"frames {', '.join(str(i + 1) for i in frame_indices(frames_of[0], count))} of {frames_of[0]} of its "
             "output" if frames_of[0] else "its output")
-    d.text((4, 6), f"Each row: {what}, then the difference to {base}'s (black: none; white: {HEAT_FULL:.0%} of the "
-                   "pixel range or more)", fill=INK, font=f)
+    header = (f"Each row: {what}, then the difference to {base}'s (black: none; white: {HEAT_FULL:.0%} of the pixel "
+              "range or more)")
+    probe = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    text_w = max(probe.textlength(t, font=f) for t in [header, *(_caption(by_name[nm]) for nm in names)])
+    img = Image.new("RGB", (max(2 * n * step + 8, round(text_w) + 8), 30 + len(names) * (th + label_h + 6)), PAPER)
+    d = ImageDraw.Draw(img)
+    out = Frames(img)
+    d.text((4, 6), header, fill=INK, font=f)
     y = 30
     for name in names:
         r = by_name[name]
@@ -332,15 +347,7 @@ def frames(rows: list[dict], latents: dict, decode, count: int = 3, width: int =
                    fill=AUTO, font=f)
             y += th + label_h + 6
             continue
-        psnr = r.get("psnr")
-        bits = [name]
-        if psnr is not None:
-            bits.append("PSNR inf (equal to the reference)" if psnr == math.inf else f"PSNR {psnr:.2f} dB")
-        if _speed(r) is not None:
-            bits.append(f"x{_speed(r):.3f} whole run")
-        if r.get("finite") is False:
-            bits.append("output not finite (NaN/inf)")
-        d.text((4, y + 3), " | ".join(bits), fill=INK, font=f)
+        d.text((4, y + 3), _caption(r), fill=INK, font=f)
         y += label_h
         for i in range(n):
             box = (i * step, y, i * step + tw, y + th)

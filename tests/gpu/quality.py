@@ -23,8 +23,10 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
    (measure.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
 
 Writes ``quality.json``, ``quality.md``, ``quality-rows.json`` (``bench_e2e.py --plot-from`` reads it),
-and ``quality-frontier.png`` (where matplotlib is) under ``--out`` (the stand-in's metadata is in quality.json); one line
-per measured case in the log.
+``quality-frontier.png`` (where matplotlib is), and per run of rows the benchmark node's pictures, ``<run>-chart.png``
+(speed against PSNR, the exact floor and the 3 dB band) and ``<run>-frames.png`` (each row's frames through the
+stand-in's codec beside their difference to unpatched), under ``--out`` (the stand-in's metadata is in quality.json);
+one line per measured case in the log.
 """
 
 from __future__ import annotations
@@ -335,6 +337,7 @@ def main(argv=None):
         sys.exit("quality: needs a CUDA GPU (--tiny: a dry run on the CPU)")
     pack = be._load_pack()
     e2e = importlib.import_module(pack.__name__ + ".measure.e2e")
+    pictures = importlib.import_module(pack.__name__ + ".measure.pictures")
     patch = importlib.import_module(pack.__name__ + ".nodes.patch")
     conc = importlib.import_module(pack.__name__ + ".measure.concentration")
     cal = importlib.import_module(pack.__name__ + ".measure.calibrate")
@@ -477,9 +480,14 @@ def main(argv=None):
 
     def run_rows(key, j, rows):
         rows = [r for r in rows if usable(r)]
-        res = e2e.measure(j, rows, progress=progress)
+        finals = {}
+        res = e2e.measure(j, rows, progress=progress, final_latents=finals)
         for r in res:
             r.pop("profile", None)
+        # the pictures the benchmark node returns: speed against PSNR, and the frames through the stand-in's codec
+        pictures.chart(res, f"{key}: {j.steps} steps").image.save(os.path.join(st.out, f"{key}-chart.png"))
+        pictures.frames(res, finals, j.extra["vae_decode"]).image.save(os.path.join(st.out, f"{key}-frames.png"))
+        del finals
         st.res[key] = res
         st.res[key + "-md"] = e2e.render_markdown(res)
         st.res[key + "-targets"] = e2e.targets(res) + e2e.quality_targets(res)
