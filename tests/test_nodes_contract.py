@@ -149,6 +149,13 @@ def test_benchmark_node_without_a_gpu_says_so_and_checks_presets():
     assert "no CUDA GPU" in out["result"][0] and out["ui"]["text"][0] == out["result"][0]
 
 
+def test_end_to_end_benchmark_returns_its_report_and_two_images_and_takes_an_optional_vae():
+    cls = v1.NODE_CLASS_MAPPINGS["AttentionBenchmarkE2E"]
+    assert cls.RETURN_TYPES == ("STRING", "IMAGE", "IMAGE") and cls.RETURN_NAMES == ("report", "chart", "frames")
+    vae = cls.INPUT_TYPES()["optional"]["vae"]
+    assert vae[0] == "VAE" and "decoded" in vae[1]["tooltip"] and "vae" not in cls.INPUT_TYPES()["required"]
+
+
 def test_benchmark_shapes_are_parsed_with_clear_errors():
     from importlib import import_module
 

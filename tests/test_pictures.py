@@ -127,3 +127,23 @@ def test_frames_of_an_image_model_and_a_vae_that_cannot_decode():
 @pytest.mark.parametrize("count, t, want", [(3, 21, [0, 10, 20]), (3, 2, [0, 1]), (3, 1, [0]), (4, 9, [0, 3, 5, 8])])
 def test_frame_indices_spread_over_the_clip(count, t, want):
     assert pic.frame_indices(t, count) == want
+
+
+def test_bench_e2e_writes_the_chart_beside_its_json(tmp_path, capsys):
+    import argparse
+    import json
+    import os
+    import sys
+
+    from PIL import Image
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench_e2e
+
+    a = argparse.Namespace(md=None, json=str(tmp_path / "e2e.json"), png=None, profile=False)
+    meta = {"gpu": "GPU", "torch": "2.x", "date": "2026-01-01", "steps": 10}
+    bench_e2e.save(a, meta, "header", _standin_rows(), e2e, final=True)
+    assert len(json.loads((tmp_path / "e2e.json").read_text())["rows"]) == 6
+    with Image.open(tmp_path / "e2e-chart.png") as img:
+        assert img.size == pic.chart(_standin_rows(), "t").image.size
+    assert "| standin-480p | auto |" in capsys.readouterr().out
