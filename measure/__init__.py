@@ -14,6 +14,10 @@ declarations).  This package uses them, never the other way round:
   so its override lives beside the other overrides (``nodes/patch.py``) and imports this module when a tuning run is
   built (``tune_model``), not when the pack loads: patching a model for sampling imports nothing of this package.
 
+What stays in ``attention/`` though it measures: :mod:`..attention.reference` (``auto``, the recheck and the error
+reports judge kernels with it during sampling), the timing in :mod:`..attention.auto` (``auto`` times kernels on the
+user's calls), :mod:`..attention.stats` (counts during sampling) and :mod:`..attention.report` (Attention Backends Info).
+
 Who imports what: ``nodes/definitions.py`` calls into this package from inside the benchmark nodes' functions, and
 ``nodes/patch.py`` from inside the tuning run's; no module of ``attention/`` or ``nodes/`` imports it at load time, and
 no module here imports ``nodes/definitions.py`` (the node passes what only it knows, such as where profile files

@@ -143,7 +143,9 @@ def patch_model(
 
 
 class TuningOverride(AttentionOverride):
-    """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end."""
+    """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end.
+    The search is measurement code (:mod:`..measure.sparge_tune`), imported when a tuning run is built, never by
+    patching."""
 
     def __init__(self, tuner, path: str, fingerprint: str, model_class: str):
         super().__init__(AttentionConfig(backend="sdpa"))
