@@ -2,9 +2,9 @@
 its difference to the unpatched row.
 
 - :func:`chart`: per preset, every row at (whole-run speed against unpatched, PSNR against the reference run), labelled;
-  the exact floor (the exact kernels' PSNR, :func:`.e2e.add_floor`) as a line and the band ``BAND_DB`` below it, where
-  a lossy kernel is as close to the reference as half-precision rounding allows (``tests/gpu`` and docs/quality.md
-  judge rows by it).  Rows whose output equals the reference's (PSNR infinite) sit on a lane at the top.
+  the exact floor (the exact kernels' PSNR, :func:`.e2e.add_floor`) as a line and the band ``BAND_DB`` below it (a row
+  inside loses at most that much against what exact kernels reach).  Rows whose output equals the reference's (PSNR
+  infinite) sit on a lane at the top.
 - :func:`frames`: per row, its final latent decoded (a VAE's ``decode``, ComfyUI's layout: ``[B, H, W, 3]``, or
   ``[B, T, H, W, 3]`` for video, of which a few frames are shown), then a heatmap of the absolute difference to the
   unpatched row's decoded output on one fixed scale for every row (black: none; square-root scale, white at

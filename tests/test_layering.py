@@ -98,7 +98,11 @@ def test_no_import_circle_through_measure():
 
 SCRIPT = r"""
 import importlib, importlib.util, json, os, sys
-root, pack, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+root, pack, names, comfy = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
+if comfy:  # ComfyUI importable (for nodes/v3.py), in CPU mode, after the pack on the path
+    sys.path.append(comfy)
+    from comfy.cli_args import args
+    args.cpu = True
 def fresh_pack(run_init):
     for m in [m for m in sys.modules if m == pack or m.startswith(pack + ".")]:
         del sys.modules[m]
@@ -123,23 +127,15 @@ print(json.dumps(result))
 """
 
 
-def _import_each(names: list[str], env=None) -> dict:
-    out = subprocess.run([sys.executable, "-c", SCRIPT, ROOT, PACK, json.dumps(names)], capture_output=True,
-                         text=True, timeout=240, env=env, cwd=ROOT)
+def _import_each(names: list[str]) -> dict:
+    out = subprocess.run([sys.executable, "-c", SCRIPT, ROOT, PACK, json.dumps(names), find_comfyui() or ""],
+                         capture_output=True, text=True, timeout=240, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def _has_comfy_api() -> bool:
-    try:
-        import comfy_api.latest  # noqa: F401
-    except Exception:
-        return False
-    return True
-
-
 def test_runtime_modules_import_nothing_of_measure_each_in_a_fresh_pack():
-    names = ["", *(m for m in modules("attention") + modules("nodes") if m != "nodes.v3" or _has_comfy_api())]
+    names = ["", *(m for m in modules("attention") + modules("nodes") if m != "nodes.v3" or find_comfyui())]
     res = _import_each(names)
     failed = {n: r["error"] for n, r in res.items() if r["error"]}
     assert not failed, failed
@@ -149,7 +145,7 @@ def test_runtime_modules_import_nothing_of_measure_each_in_a_fresh_pack():
 
 def test_every_measure_and_node_module_imports_alone():
     """A module that imports a partly initialised one (an import circle at load time) fails here."""
-    names = [m for m in modules(MEASURE) + modules("nodes") if m != "nodes.v3" or _has_comfy_api()]
+    names = [m for m in modules(MEASURE) + modules("nodes") if m != "nodes.v3" or find_comfyui()]
     res = _import_each(names)
     failed = {n: r["error"] for n, r in res.items() if r["error"]}
     assert not failed, failed
