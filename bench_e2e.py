@@ -4,6 +4,11 @@
     python bench_e2e.py --preset wan-1.3b --preset flux-dev --steps 4 --md e2e.md --json e2e.json --png e2e.png
     python bench_e2e.py --preset sdxl --rows unpatched,sdpa,sage_fp8_sm90,peer:sage_fp8_sm90,auto --compile
 
+With --json X.json it also writes X-chart.png beside it: every row's whole-run speed against its PSNR, the exact floor
+and the band 3 dB below it (the picture the node returns); for the stand-in (which has a decoder), X-frames-<preset>.png
+too: each row's decoded frames beside their difference to the unpatched row's.  The random-weight presets have no
+decoder: no frames.
+
 Rows: unpatched (ComfyUI's own attention), every usable backend, auto, auto_exact, and peer:<kernel> (the kernel called straight
 from ComfyUI's hook, as other packs do); a sparse backend with options or a tuned profile, e.g. kitchen_sol[tau=2.0].
 Finds ComfyUI through COMFYUI_PATH or as the ComfyUI this pack sits in.  On your own model, with real weights, use
@@ -96,7 +101,8 @@ def main(argv=None):
     from tqdm import tqdm
 
     pack = _load_pack()
-    e2e = importlib.import_module(pack.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(pack.__name__ + ".measure.e2e")
+    pictures = importlib.import_module(pack.__name__ + ".measure.pictures")
     if not torch.cuda.is_available():
         sys.exit("bench_e2e: needs a CUDA GPU")
     if a.dynamic_vram and len(a.preset or []) != 1:
@@ -128,11 +134,17 @@ def main(argv=None):
         else:
             job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
+        decode = job.extra.get("vae_decode")
+        finals = {} if decode is not None and a.json else None  # each row's final latent, for the frames picture
         for compile in modes:
             results += e2e.measure(job, rows, compile=compile, profile=a.profile, profile_step=a.profile_step, rounds=a.rounds, stat=a.stat,
-                                   progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)))
+                                   progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)),
+                                   final_latents=finals)
             save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
-        del job
+        if finals:
+            mine = [r for r in results if r["preset"] == preset]
+            pictures.frames(mine, finals, decode).image.save(f"{os.path.splitext(a.json)[0]}-frames-{preset}.png")
+        del job, finals
         torch.cuda.empty_cache()
     bar.close()
     save(a, meta, header, results, e2e, final=True)
@@ -164,7 +176,9 @@ def standin_job(e2e, path, preset, device="cuda", grid=None):
     grid = grid or sd.PRESETS[STANDIN_PRESETS[preset][0]]
     pos, neg = sd.conditioning(meta)
     return e2e.Job(model, pos, neg, torch.zeros(1, sd.LATENT_CHANNELS, *grid), cfg=5.0, label=preset,
-                   extra={"description": STANDIN_PRESETS[preset][1], "decode": lambda lat: sd.decode(model, lat, meta)},
+                   extra={"description": STANDIN_PRESETS[preset][1], "decode": lambda lat: sd.decode(model, lat, meta),
+                          # the same frames in ComfyUI's image layout ([B, T, H, W, 3], what a VAE's decode returns)
+                          "vae_decode": lambda lat: sd.decode(model, lat, meta).permute(0, 2, 3, 4, 1)},
                    reference=sd.load(path, torch.float32, device), reference_label="fp32")
 
 
@@ -197,6 +211,10 @@ def save(a, meta, header, results, e2e, final):
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=1)
+        if final:
+            pictures = importlib.import_module(e2e.__package__ + ".pictures")
+            title = f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · {meta['steps']} steps"
+            pictures.chart(results, title).image.save(os.path.splitext(a.json)[0] + "-chart.png")
     if a.png and final:
         plot(results, a.png, meta)
         if any("psnr" in r for r in results):

@@ -22,6 +22,7 @@ SPARGE_VARIANTS = ("sparge", "sparge_topk", "sparge_sage1")
 SOL_VARIANTS = ("kitchen_sol", "kitchen_sol_topk")
 VARIANTS = SPARGE_VARIANTS + SOL_VARIANTS
 THRESHOLDS = ("simthreshd1", "cdfthreshd", "pvthreshd", "topk", "tau", "keep_ratio", "extra_tokens")
+DEFAULT_BUDGET = 0.07  # a tuning run's rel-L1 budget per layer: SpargeAttn's autotune default (l1=0.07)
 
 
 def check_thresholds(variant: str, opts: dict) -> dict:

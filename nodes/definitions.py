@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import sys
@@ -13,6 +14,7 @@ from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS
 from ..attention.backends.kitchen import SOL_BOUNDS, SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from ..attention.backends.sparge import BOUNDS, DEFAULTS
 from ..attention.sparge_profile import (
+    DEFAULT_BUDGET,
     SOL_VARIANTS,
     SPARGE_VARIANTS,
     VARIANTS,
@@ -20,9 +22,8 @@ from ..attention.sparge_profile import (
     default_options,
     fingerprint_state_dict,
 )
-from ..attention.sparge_tune import DEFAULT_BUDGET
 from . import files
-from .patch import SPARSE_START, patch_model, tune_model
+from .patch import SPARSE_START, SpargeSettings, patch_model, tune_model
 
 CATEGORY = "model_patches/attention"
 # The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention. Saved workflows keep loading
@@ -156,20 +157,6 @@ PATCH = Node(
 
 # ---------------------------------------------------------------- SpargeAttn Settings
 
-@dataclass
-class SpargeSettings:
-    variant: str
-    options: dict
-    profile: SpargeProfile | None = None
-    report_error_every: int = 0
-
-    def layer_options(self, layer, call):
-        if self.profile is None:
-            return None
-        return self.profile.thresholds(layer)
-
-    def __deepcopy__(self, memo):
-        return self
 
 
 def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, profile="", report_error_every=0):
@@ -336,7 +323,7 @@ TUNE = Node(
 def run_benchmark(presets, shapes="", dtype="bf16", reps=10):
     import torch
 
-    from ..attention import bench
+    from ..measure import bench
 
     if not torch.cuda.is_available():
         return ("no CUDA GPU: nothing to benchmark; PyTorch SDPA is what runs here.",)
@@ -417,7 +404,7 @@ def _sampling_options():
 
 def validate_rows(cls, rows=None):
     """Prompt validation of the end-to-end benchmark's rows: readable, and a profile they name is a listed file."""
-    from . import e2e
+    from ..measure import e2e
 
     try:
         for r in (rows or "").replace(";", ",").split(","):
@@ -433,40 +420,48 @@ def validate_rows(cls, rows=None):
 
 
 def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0, sampler_name="euler", scheduler="simple",
-                      seed=0, rows="all", peers=True, compile=False):
-    from . import e2e
+                      seed=0, rows="all", peers=True, compile=False, vae=None):
+    from ..measure import e2e, pictures
 
-    chosen = [r.strip() for r in rows.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
-    if chosen:
-        known = set(e2e.default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *e2e.CORE_ROWS}
-        unknown = [r for r in chosen if e2e.parse_row(r)[0] not in known
-                   and not (r.startswith(e2e.PEER) and r[len(e2e.PEER):] in REGISTRY)]
-        if unknown:
-            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, auto_exact, a backend name, peer:<backend>, "
-                             f"{e2e.CORE_INT8} or {e2e.CORE_SOL}")
-    row_list = chosen or e2e.default_rows(peers=peers)
+    row_list = e2e.rows_from_text(rows, peers=peers)
     job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
-                  scheduler=scheduler, seed=seed, label=type(model.model.diffusion_model).__name__)
+                  scheduler=scheduler, seed=seed, label=type(model.model.diffusion_model).__name__,
+                  profiles=lambda name, variant: load_profile(name, variant, BENCH_E2E_NAME))
+    latents = {} if vae is not None else None
+    with _progress(len(row_list), "end-to-end benchmark") as progress:
+        results = e2e.measure(job, row_list, compile=compile, progress=lambda r: progress(r["row"]), final_latents=latents)
+    what = f"{steps} {sampler_name}/{scheduler} steps per row after a 2-step warm-up, cfg {cfg}"
+    report = e2e.render_markdown(results, f"{what}; final latent compared with the unpatched model's (PSNR/SSIM: each "
+                                          f"channel of each frame as an image)")
+    chart = pictures.chart(results, f"Attention Benchmark (end to end): {what}").image
+    if vae is None:
+        frames = pictures.message("No VAE connected: connect your model's VAE to see each row's decoded output beside "
+                                  "its difference to the unpatched row.")
+    else:
+        frames = pictures.frames(results, latents, vae.decode).image
+    return report, pictures.to_image(chart), pictures.to_image(frames)
+
+
+@contextlib.contextmanager
+def _progress(total: int, desc: str):
+    """A progress callback (one call per finished item) for the console and ComfyUI's progress bar."""
+    from tqdm import tqdm
+
     bar = None
     try:
         import comfy.utils
 
-        bar = comfy.utils.ProgressBar(len(row_list))
+        bar = comfy.utils.ProgressBar(total)
     except Exception:
         pass
-    from tqdm import tqdm
-
-    with tqdm(total=len(row_list), desc="end-to-end benchmark", unit="row") as t:
-        def progress(r):
-            t.set_postfix_str(r["row"])
+    with tqdm(total=total, desc=desc, unit="row") as t:
+        def progress(name):
+            t.set_postfix_str(name)
             t.update(1)
             if bar is not None:
                 bar.update(1)
 
-        results = e2e.measure(job, row_list, compile=compile, progress=progress)
-    return (e2e.render_markdown(results, f"{steps} {sampler_name}/{scheduler} steps per row after a 2-step warm-up, "
-                                         f"cfg {cfg}; final latent compared with the unpatched model's (PSNR/SSIM: "
-                                         f"each channel of each frame as an image)"),)
+        yield progress
 
 
 SAMPLERS, SCHEDULERS = _sampling_options()
@@ -479,7 +474,10 @@ BENCH_E2E = Node(
                 "and peer patches that call a kernel straight from ComfyUI's hook): seconds per step, speed against "
                 "unpatched, how far each final latent is from the unpatched one (cosine, relative L1, PSNR and SSIM, beside "
                 "the difference between two exact kernels), peak VRAM, which kernels ran. "
-                "Real weights are where sparse and 8-bit kernels show their real error. Takes a while: rows x (steps+1).",
+                "Real weights are where sparse and 8-bit kernels show their real error. Takes a while: rows x (steps+1). "
+                "Besides the report: a chart of each row's speed against its PSNR, with the exact kernels' PSNR (the "
+                "floor) and the band 3 dB below it, and with a VAE each row's decoded output beside its difference to "
+                "the unpatched row (connect Preview Image to see them).",
     inputs=[
         In("model", "MODEL"),
         In("positive", "CONDITIONING", None, "Your positive conditioning (as into your KSampler)."),
@@ -496,8 +494,10 @@ BENCH_E2E = Node(
            "sparge[profile=my_model.json]."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),
+        In("vae", "VAE", None, "Optional: your model's VAE. Each row's final latent is decoded (once, after the timing) "
+           "and shown beside its difference to the unpatched row in the frames output.", optional=True),
     ],
-    outputs=[("STRING", "report")],
+    outputs=[("STRING", "report"), ("IMAGE", "chart"), ("IMAGE", "frames")],
     fn=run_benchmark_e2e,
     output_node=True,
     validate=validate_rows,

@@ -12,17 +12,19 @@ from __future__ import annotations
 import logging
 import os
 import re
+from dataclasses import dataclass
 
 from ..attention import AUTO_EXACT, REGISTRY, AttentionConfig, AutoSelector
 from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
+from ..attention.sparge_profile import SpargeProfile
 from .compose import SampleWrapper, install, previous_override
 from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
 from .nan_net import ForwardWrapper, as_float, model_hides_nan, output_flag
 from .override import AttentionOverride, in_ranges
 
-__all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingError", "SampleWrapper", "as_float",
-           "check_hook", "in_ranges", "model_hides_nan", "output_flag", "override_of", "parse_layers", "patch_model",
-           "tune_model"]
+__all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingError", "SampleWrapper", "SpargeSettings",
+           "as_float", "check_hook", "in_ranges", "model_hides_nan", "output_flag", "override_of", "parse_layers",
+           "patch_model", "tune_model"]
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -44,6 +46,25 @@ def parse_layers(text: str) -> tuple[tuple[int, int | None], ...]:
             raise ValueError(f"dense_layers: range {part!r} ends before it starts")
         out.append((lo, hi))
     return tuple(out)
+
+
+@dataclass
+class SpargeSettings:
+    """What a SpargeAttn Settings or Sol-Attn Settings node hands to :func:`patch_model` (``sparge``): the kernel, its
+    per-model options, and an optional per-layer profile."""
+
+    variant: str
+    options: dict
+    profile: SpargeProfile | None = None
+    report_error_every: int = 0
+
+    def layer_options(self, layer, call):
+        if self.profile is None:
+            return None
+        return self.profile.thresholds(layer)
+
+    def __deepcopy__(self, memo):
+        return self
 
 
 def auto_cache_path() -> str:
@@ -122,7 +143,9 @@ def patch_model(
 
 
 class TuningOverride(AttentionOverride):
-    """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end."""
+    """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end.
+    The search is measurement code (:mod:`..measure.sparge_tune`), imported when a tuning run is built, never by
+    patching."""
 
     def __init__(self, tuner, name: str, fingerprint: str, model_class: str, write=None):
         super().__init__(AttentionConfig(backend="sdpa"))
@@ -133,7 +156,7 @@ class TuningOverride(AttentionOverride):
         self._bar = None
 
     def __call__(self, func, *args, **kwargs):
-        from ..attention.sparge_tune import tuning_attention
+        from ..measure.sparge_tune import tuning_attention
 
         a, rest = bind(args, kwargs)
         ln = self.lane()
@@ -184,7 +207,7 @@ def tune_model(model, variant: str, error_budget: float, name: str, pvthreshd_va
     in models/sparge_profiles (``write(name, data)``: elsewhere, for the benchmarks' own runs)."""
     check_hook()
     from ..attention.sparge_profile import default_grid, fingerprint_state_dict
-    from ..attention.sparge_tune import SpargeTuner
+    from ..measure.sparge_tune import SpargeTuner
 
     dm = model.model.diffusion_model
     grid = {**default_grid(variant), "pvthreshd": tuple(pvthreshd_values)}

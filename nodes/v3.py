@@ -15,6 +15,8 @@ def _input(i):
         return io.Conditioning.Input(i.name, **common)
     if i.kind == "LATENT":
         return io.Latent.Input(i.name, **common)
+    if i.kind == "VAE":
+        return io.Vae.Input(i.name, **common)
     if i.kind == "COMBO":
         return io.Combo.Input(i.name, options=i.choices(), default=i.default, **common)
     if i.kind == "BOOLEAN":
@@ -33,6 +35,8 @@ def _output(kind, name):
         return io.Model.Output(display_name=name)
     if kind == "STRING":
         return io.String.Output(display_name=name)
+    if kind == "IMAGE":
+        return io.Image.Output(display_name=name)
     return io.Custom(kind).Output(display_name=name)
 
 

@@ -144,6 +144,29 @@ def tiny_sd(dtype=torch.float32):
     return patcher(model)
 
 
+def tiny_vae_state_dict(latent_channels=16, seed=0) -> dict:
+    """A TAESD (ComfyUI's own tiny autoencoder classes) for ``latent_channels``-channel latents, random weights: what
+    ``comfy.sd.VAE`` and the VAELoader node read (x8 upscale, RGB in [0, 1])."""
+    import comfy.taesd.taesd as taesd
+
+    m = taesd.TAESD(latent_channels=latent_channels)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in m.named_parameters():  # ComfyUI's layers skip initialisation: fill every parameter
+            if p.ndim > 1:
+                p.copy_(torch.randn(p.shape, generator=g) * p[0].numel() ** -0.5)
+            else:
+                p.fill_(1.0 if name == "vae_scale" else 0.0)
+    return {k: v.contiguous() for k, v in m.state_dict().items()}
+
+
+def tiny_vae(latent_channels=16, seed=0):
+    """:func:`tiny_vae_state_dict` as a ComfyUI VAE object (``vae.decode(latent)`` -> ``[B, H, W, 3]``)."""
+    import comfy.sd
+
+    return comfy.sd.VAE(sd=tiny_vae_state_dict(latent_channels, seed))
+
+
 def flux_conds(seed=0):
     g = torch.Generator().manual_seed(seed)
     pos = [[torch.randn(1, 8, 32, generator=g), {"pooled_output": torch.randn(1, 32, generator=g)}]]

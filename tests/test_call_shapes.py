@@ -222,7 +222,7 @@ def test_auto_tunes_and_rechecks_sd3_calls(kernels):
 def test_sparse_tuning_run_takes_sd3_calls():
     from importlib import import_module
 
-    st = import_module(A.__name__ + ".sparge_tune")
+    st = import_module(P.__name__ + ".measure.sparge_tune")
     q, k, v = sd3_call(11)
     stats = A.Stats()
     out = st.tuning_attention(st.SpargeTuner(budget=0.05), 0, q, k, v, H, stats=stats)

@@ -278,9 +278,12 @@ def test_end_to_end_benchmark_node_on_a_real_model(pack):
 
     pos, neg = flux_conds()
     latent = {"samples": torch.zeros(1, 16, 16, 16)}
-    report = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg, latent_image=latent,
-                      steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0,
-                      rows="unpatched, sdpa, sdpa_math, auto, peer:sdpa_math", peers=True, compile=False)[0]
+    report, chart, frames = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg,
+                                     latent_image=latent, steps=2, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0,
+                                     rows="unpatched, sdpa, sdpa_math, auto, peer:sdpa_math", peers=True, compile=False)
+    for img in (chart, frames):  # ComfyUI IMAGEs: [1, H, W, 3] in [0, 1]; without a VAE the frames say so
+        assert img.dtype == torch.float32 and img.shape[0] == 1 and img.shape[-1] == 3 and 0 <= img.min() < img.max() <= 1
+    assert chart.shape[1] >= 400 and chart.shape[2] >= 600 and frames.shape[1] < 200
     lines = [ln for ln in report.splitlines() if ln.startswith("| Flux |")]
     assert [ln.split(" | ")[1] for ln in lines] == ["unpatched", "sdpa", "sdpa_math", "auto", "peer:sdpa_math"]
     for ln in lines:  # every row exact here: the same latent as unpatched
@@ -292,12 +295,33 @@ def test_end_to_end_benchmark_node_on_a_real_model(pack):
                  steps=1, cfg=1.0, sampler_name="euler", scheduler="simple", seed=0, rows="nope", peers=True, compile=False)
 
 
+def test_end_to_end_benchmark_node_decodes_every_row_with_the_vae(pack):
+    """With a VAE (ComfyUI's own VAE object): each row's final latent decoded beside its difference to unpatched."""
+    _, mappings = pack
+    from comfyui_support import flux_conds, tiny_vae
+
+    pos, neg = flux_conds()
+    decoded = []
+    vae = tiny_vae()
+    decode = vae.decode
+    vae.decode = lambda z: decoded.append(tuple(z.shape)) or decode(z)
+    report, chart, frames = run_node(mappings, "AttentionBenchmarkE2E", model=tiny_flux(), positive=pos, negative=neg,
+                                     latent_image={"samples": torch.zeros(1, 16, 16, 16)}, steps=1, cfg=1.0,
+                                     sampler_name="euler", scheduler="simple", seed=0, rows="unpatched, sdpa_math",
+                                     peers=False, compile=False, vae=vae)
+    assert "| Flux | sdpa_math |" in report
+    assert decoded == [(1, 16, 16, 16)] * 2  # each row's final latent, once
+    assert frames.dtype == torch.float32 and frames.shape[0] == 1 and frames.shape[-1] == 3
+    assert frames.shape[1] >= 2 * 128 and frames.shape[2] >= 2 * 128  # two rows of a 128 px frame and its heatmap
+    assert 0 <= frames.min() < frames.max() <= 1
+
+
 def test_median_interval_is_distribution_free():
     import importlib
 
     from pack import load
 
-    e2e = importlib.import_module(load().__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(load().__name__ + ".measure.e2e")
     # n = 30: ranks 10 and 21 (1-based) bound the median with 95.7 % coverage; n = 8: the whole range (99.2 %)
     assert e2e.median_ci(list(range(30, 0, -1))) == (15.5, 10, 21)
     assert e2e.median_ci([3, 1, 2, 8, 5, 4, 7, 6]) == (4.5, 1, 8)
@@ -311,7 +335,7 @@ def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pac
     import importlib
 
     mod, _ = pack
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     from comfyui_support import flux_conds
 
     pos, neg = flux_conds()
@@ -345,7 +369,7 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
     import torch.profiler
 
     mod, _ = pack
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     from comfyui_support import flux_conds
 
     calls, marks = [], []
@@ -378,7 +402,7 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
 
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
     mod, _ = pack
-    e2e = mod.nodes.e2e
+    e2e = mod.measure.e2e
     base = tiny_flux()
     ref = sample(base)
     m = e2e.make_row_model(base, "peer:sdpa_math")

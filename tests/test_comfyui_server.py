@@ -46,6 +46,10 @@ def server(tmp_path_factory):
 
     sd = {k: v.contiguous() for k, v in tiny_flux().model.diffusion_model.state_dict().items()}
     save_file(sd, str(models / "tiny_flux.safetensors"), metadata={"flux_config": json.dumps(FLUX_CFG)})
+    from comfyui_support import tiny_vae_state_dict
+
+    (base / "models" / "vae").mkdir()
+    save_file(tiny_vae_state_dict(16), str(base / "models" / "vae" / "tiny_taesd_flux.safetensors"))
     port = free_port()
     log = open(base / "server.log", "w")
     proc = subprocess.Popen(
@@ -86,6 +90,52 @@ def test_object_info_lists_the_nodes(server):
     templates = get(url + "/api/workflow_templates")
     assert set(templates.get("ComfyUI-PatchAttention", [])) >= {"Flux.1 dev image 1024px", "SD 1.5 image 512px",
                                                                 "SDXL image 1024px", "Wan 2.1 video 480p 81 frames"}
+
+
+def run_prompt(url, base, prompt, timeout=180):
+    pid = post(url + "/prompt", {"prompt": prompt, "client_id": "pa-test"})["prompt_id"]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        hist = get(url + f"/history/{pid}")
+        if pid in hist and hist[pid].get("status", {}).get("completed"):
+            return hist[pid]
+        if pid in hist and hist[pid].get("status", {}).get("status_str") == "error":
+            pytest.fail(json.dumps(hist[pid]["status"], indent=1)[-3000:])
+        time.sleep(0.5)
+    pytest.fail(f"prompt did not finish in {timeout} s:\n" + (base / "server.log").read_text()[-3000:])
+
+
+def test_end_to_end_benchmark_node_returns_its_report_and_two_images(server):
+    """Through ComfyUI's executor: the report, the chart and (with a VAE from VAELoader) the frames, each saved by
+    Save Image; without a VAE the frames output is still an image."""
+    url, base = server
+    bench = {"model": ["1", 0], "positive": ["2", 0], "negative": ["2", 0], "latent_image": ["3", 0], "steps": 1,
+             "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "seed": 0, "rows": "unpatched, sdpa_math",
+             "peers": False, "compile": False}
+    prompt = {
+        "1": {"class_type": "PATestTinyFluxLoader", "inputs": {"unet_name": "tiny_flux.safetensors"}},
+        "2": {"class_type": "PATestConditioning", "inputs": {"seed": 1, "tokens": 8, "context_dim": 32, "pooled_dim": 32}},
+        "3": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 128, "height": 128, "batch_size": 1}},
+        "4": {"class_type": "VAELoader", "inputs": {"vae_name": "tiny_taesd_flux.safetensors"}},
+        "5": {"class_type": "AttentionBenchmarkE2E", "inputs": {**bench, "vae": ["4", 0]}},
+        "6": {"class_type": "SaveImage", "inputs": {"images": ["5", 1], "filename_prefix": "pa_chart"}},
+        "7": {"class_type": "SaveImage", "inputs": {"images": ["5", 2], "filename_prefix": "pa_frames"}},
+        "8": {"class_type": "AttentionBenchmarkE2E", "inputs": {**bench, "seed": 1}},
+        "9": {"class_type": "SaveImage", "inputs": {"images": ["8", 2], "filename_prefix": "pa_novae"}},
+    }
+    entry = run_prompt(url, base, prompt)
+    assert entry["status"]["status_str"] == "success"
+    assert "| Flux | sdpa_math |" in entry["outputs"]["5"]["text"][0]  # the report, shown on the node
+    from PIL import Image
+
+    sizes = {}
+    for node, prefix in (("6", "pa_chart"), ("7", "pa_frames"), ("9", "pa_novae")):
+        (saved,) = entry["outputs"][node]["images"]
+        assert saved["filename"].startswith(prefix)
+        sizes[prefix] = Image.open(base / "output" / saved.get("subfolder", "") / saved["filename"]).size
+    assert sizes["pa_chart"][0] >= 600 and sizes["pa_chart"][1] >= 400
+    assert sizes["pa_frames"][0] >= 2 * 128 and sizes["pa_frames"][1] >= 2 * 128  # frame + heatmap per row, two rows
+    assert sizes["pa_novae"][1] < 200  # a small image that says no VAE was given
 
 
 def test_prompt_with_patch_attention_succeeds(server):

@@ -393,7 +393,7 @@ def test_end_to_end_benchmark_has_an_auto_exact_row(comfy_pack):
     from comfyui_support import flux_conds, tiny_flux
 
     mod, _, _ = comfy_pack
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     assert "auto_exact" in e2e.default_rows(peers=False)
     pos, neg = flux_conds()
     job = e2e.Job(tiny_flux(), pos, neg, torch.zeros(1, 16, 16, 16), steps=2, label="tiny")

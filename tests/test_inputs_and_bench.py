@@ -1,9 +1,11 @@
 import json
+from importlib import import_module
 
 import torch
+from pack import load
 
-from attention import bench
-from attention.inputs import structured_qkv
+bench = import_module(load().__name__ + ".measure.bench")
+structured_qkv = import_module(load().__name__ + ".measure.inputs").structured_qkv
 
 
 def test_structured_inputs_have_locality_and_key_bias():

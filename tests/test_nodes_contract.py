@@ -143,8 +143,17 @@ def test_benchmark_node_without_a_gpu_says_so_and_checks_presets():
     assert "no CUDA GPU" in out["result"][0] and out["ui"]["text"][0] == out["result"][0]
 
 
+def test_end_to_end_benchmark_returns_its_report_and_two_images_and_takes_an_optional_vae():
+    cls = v1.NODE_CLASS_MAPPINGS["AttentionBenchmarkE2E"]
+    assert cls.RETURN_TYPES == ("STRING", "IMAGE", "IMAGE") and cls.RETURN_NAMES == ("report", "chart", "frames")
+    vae = cls.INPUT_TYPES()["optional"]["vae"]
+    assert vae[0] == "VAE" and "decoded" in vae[1]["tooltip"] and "vae" not in cls.INPUT_TYPES()["required"]
+
+
 def test_benchmark_shapes_are_parsed_with_clear_errors():
-    bench = P.attention.bench
+    from importlib import import_module
+
+    bench = import_module(P.__name__ + ".measure.bench")
     shapes = bench.parse_shapes(["flux"], ["1,2,300,64", "2,4,100,40,77"])
     assert shapes["1,2,300,64"][:5] == (1, 2, 300, 64, None) and shapes["2,4,100,40,77"][4] == 77 and "flux" in shapes
     with pytest.raises(ValueError, match="B,H,N,D or B,H,N,D,Nk"):

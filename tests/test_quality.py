@@ -1,13 +1,19 @@
 """Quality measures (PSNR, SSIM), attention concentration, and the calibration rule: known values, no ComfyUI."""
 
 import math
+from importlib import import_module
 
 import pytest
 import torch
+from pack import load
 
-from attention import calibrate as cal
-from attention.concentration import call_stats, column_radius, summarize_calls, window_dims
-from attention.quality import AT_FLOOR, compare, psnr, ssim, verdict
+M = load().__name__ + ".measure"
+cal = import_module(M + ".calibrate")
+conc = import_module(M + ".concentration")
+call_stats, column_radius, summarize_calls, window_dims = conc.call_stats, conc.column_radius, conc.summarize_calls, conc.window_dims
+_quality = import_module(M + ".quality")
+AT_FLOOR, compare, psnr, ssim, verdict = (_quality.AT_FLOOR, _quality.compare, _quality.psnr, _quality.ssim,
+                                         _quality.verdict)
 
 # ---------------------------------------------------------------- PSNR / SSIM
 
@@ -203,7 +209,7 @@ def e2e():
 
     from pack import load
 
-    return importlib.import_module(load().__name__ + ".nodes.e2e")
+    return importlib.import_module(load().__name__ + ".measure.e2e")
 
 
 def test_row_options_parse_and_refuse_what_they_cannot_set(e2e):

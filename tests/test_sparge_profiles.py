@@ -1,14 +1,17 @@
 """SpargeAttn profiles and threshold search (CPU: the search runs against fake error functions)."""
 
 import json
+from importlib import import_module
 
 import pytest
 import torch
+from pack import load
 
-from attention import Backend
-from attention.registry import Availability
 from attention.sparge_profile import ProfileMismatchError, SpargeProfile, fingerprint_state_dict, search_layer
-from attention.sparge_tune import SpargeTuner, candidates, tuning_attention
+
+P = load()
+_tune = import_module(P.__name__ + ".measure.sparge_tune")  # the tuning search: measurement, in the pack's measure/
+SpargeTuner, candidates, tuning_attention = _tune.SpargeTuner, _tune.candidates, _tune.tuning_attention
 
 
 def test_profile_round_trip(tmp_path):
@@ -85,13 +88,14 @@ def test_tuner_keeps_the_worst_error_over_calls():
     assert set(prof.layers) == {0} and prof.layers[0]["calls"] == 2 and prof.error_budget == 0.05
 
 
-def test_tuning_run_returns_dense_attention_and_measures_candidates(temp_backend):
+def test_tuning_run_returns_dense_attention_and_measures_candidates(pack_backend):
     def fake_sparge(q, k, v, *, layout, mask, scale, opts):
         o = torch.nn.functional.scaled_dot_product_attention(q, k, v, scale=scale)
         noise = (1 - opts["cdfthreshd"]) * 0.5
         return o + noise * o.std() * torch.randn_like(o), {"sparsity": 1 - opts["cdfthreshd"]}
 
-    temp_backend(Backend(name="t_sparge", family="test", fn=fake_sparge, constraints=(), probe=lambda: Availability(True)))
+    A = P.attention
+    pack_backend(A.Backend(name="t_sparge", family="test", fn=fake_sparge, constraints=(), probe=lambda: A.Availability(True)))
     tuner = SpargeTuner(variant="t_sparge", budget=0.03, grid={"simthreshd1": (0.6,), "walk_key": "cdfthreshd",
                                                                 "walk": (0.99, 0.98, 0.95, 0.9, 0.8), "pvthreshd": 50})
     q = torch.randn(1, 256, 2 * 16)

@@ -108,7 +108,7 @@ def test_benchmark_reports_psnr_and_ssim_against_the_fp32_run(trained, pack_back
 
     sd, path, meta, _ = trained
     mod = load()  # the pack the pack_backend fixture registers in
-    e2e = importlib.import_module(mod.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
     A = mod.attention
 
     def lossy(q, k, v, *, layout, mask, scale, opts):  # q and k on a coarse grid: an 8-bit-like error
@@ -161,6 +161,8 @@ def test_gpu_stage_dry_run_on_the_cpu(tmp_path):
     assert res["per_call"][stage.DRYRUN_LOSSY]["cos"] < 1.0
     assert res["calibration"]["gate"]["floor_psnr"] == rows["unpatched"]["floor_psnr"]
     assert len(res["calibration"]["curve"]) == 4 and "rows-720p" in res
+    for key in ("rows-480p", "rows-720p"):  # the benchmark's pictures of each run: chart, frames through the codec
+        assert (tmp_path / f"{key}-chart.png").stat().st_size > 0 and (tmp_path / f"{key}-frames.png").stat().st_size > 0
     md = (tmp_path / "quality.md").read_text()
     assert "## Attention concentration, 480p/81f" in md and "## Calibration (480p)" in md
     assert "## End to end at 480p/81f" in md and "## End to end at 720p/81f" in md and "Exact floor: PSNR" in md

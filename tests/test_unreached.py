@@ -73,7 +73,7 @@ def test_the_tuning_run_says_it_by_its_own_name():
     """Tune Sparse Attention on a model its override cannot reach: the same warning, naming the tuning node."""
     from importlib import import_module
 
-    tuner = import_module(A.__name__ + ".sparge_tune").SpargeTuner(budget=0.05)
+    tuner = import_module(P.__name__ + ".measure.sparge_tune").SpargeTuner(budget=0.05)
     ov = patch.TuningOverride(tuner, "profile.json", "fp", "Model")
     with capture("patch_attention") as recs:
         patch.ForwardWrapper(ov)(lambda x, t: x, torch.zeros(1), torch.tensor([1.0]))

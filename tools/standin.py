@@ -24,7 +24,7 @@ or rows/columns -- are random, so some heads start spatial and some temporal).  
 relative, so a locality learned on small grids holds on large ones; what grows with the grid is the number of
 distant keys, so the training mix includes full 480p grids (32,760 tokens) and 720p-wide ones, at a token budget per
 step (batch x tokens about constant).  ``tests/gpu/quality.py`` measures what the trained model's attention really is
-(:mod:`attention.concentration`) at 480p and 720p.
+(:mod:`measure.concentration`) at 480p and 720p.
 
     python tools/standin.py train --out standin.safetensors          (CUDA; about 4 minutes on an H100)
     python tools/standin.py sample --weights standin.safetensors --grid 21,60,104 --steps 10
@@ -550,7 +550,7 @@ def decode(patcher, latent: torch.Tensor, meta: dict) -> torch.Tensor:
 
 def concentration_override(grid, steps_to_measure, results: list, *, chunk: int = 1024, query_stride: int = 1,
                            previous=None):
-    """An attention override that measures the concentration (:func:`attention.concentration.call_stats`) of every
+    """An attention override that measures the concentration (:func:`measure.concentration.call_stats`) of every
     self-attention call over ``grid`` (latent T, H, W) at the sampling steps ``steps_to_measure``, appending
     ``{"step", "layer", "stats"}`` to ``results``, and returns ComfyUI's own attention (or ``previous``'s)."""
     conc = pack_module("concentration")
@@ -616,13 +616,13 @@ def concentration_at(model, x0: torch.Tensor, context: torch.Tensor, sigma: floa
 # ---------------------------------------------------------------- command line
 
 def pack_module(name: str):
-    """``attention/<name>.py`` of this pack, loaded on its own (a module without relative imports): the pack itself
+    """``measure/<name>.py`` of this pack, loaded on its own (a module without relative imports): the pack itself
     is not imported, so a ComfyUI that already loaded it keeps one copy."""
     import importlib.util
 
     key = f"patch_attention_standalone_{name}"
     if key not in sys.modules:
-        spec = importlib.util.spec_from_file_location(key, os.path.join(ROOT, "attention", f"{name}.py"))
+        spec = importlib.util.spec_from_file_location(key, os.path.join(ROOT, "measure", f"{name}.py"))
         mod = importlib.util.module_from_spec(spec)
         sys.modules[key] = mod
         spec.loader.exec_module(mod)

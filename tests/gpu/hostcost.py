@@ -37,7 +37,7 @@ A = P.attention
 patch = P.nodes.patch
 import importlib  # noqa: E402
 
-e2e = importlib.import_module(P.__name__ + ".nodes.e2e")
+e2e = importlib.import_module(P.__name__ + ".measure.e2e")
 
 SHAPES = {  # name: (batch, tokens, keys, heads, head dim)
     "small (host-bound)": (2, 128, 128, 10, 64),

@@ -43,7 +43,7 @@ def load():
     sys.path.insert(0, ROOT)
     be = importlib.import_module("bench_e2e")
     pack = be._load_pack()
-    return pack, importlib.import_module(pack.__name__ + ".nodes.e2e"), \
+    return pack, importlib.import_module(pack.__name__ + ".measure.e2e"), \
         importlib.import_module(pack.__name__ + ".nodes.context_parallel")
 
 

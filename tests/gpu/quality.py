@@ -11,7 +11,7 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
    ``--train-seconds`` and saved to ``$STANDIN_WEIGHTS`` (default /tmp/standin.safetensors; too big to come back).
    ``--skip-train`` uses that file as it is (a second call on the same machine, with ``--phases``).
 2. ``load``: through ``comfy.sd.load_diffusion_model``, in bf16 and in fp32 (the quality reference).
-3. ``concentration-480p``: per layer and head, at steps 2, 5 and 8 of a 10-step run (attention.concentration).
+3. ``concentration-480p``: per layer and head, at steps 2, 5 and 8 of a 10-step run (measure.concentration).
 4. ``tune``: Tune Sparse Attention on the stand-in (SpargeAttn and Sol-Attn profiles at the default budget; Sol-Attn
    also at tighter and looser budgets, for the budget calibration).
 5. ``rows-480p``: unpatched, flash_attn4 (if present), sdpa_cudnn, sage_fp8_sm90, sparge, sparge_topk, kitchen_sol,
@@ -20,11 +20,13 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
    (else the unpatched row).
 7. ``calibration-480p``: per-call (cos, rel-L1) of every lossy setting on captured real calls (what auto's gate sees),
    more settings sampled end to end as the budget allows (``--sweep``), the gate and budget proposed by the rule
-   (attention.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
+   (measure.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
 
 Writes ``quality.json``, ``quality.md``, ``quality-rows.json`` (``bench_e2e.py --plot-from`` reads it),
-and ``quality-frontier.png`` (where matplotlib is) under ``--out`` (the stand-in's metadata is in quality.json); one line
-per measured case in the log.
+``quality-frontier.png`` (where matplotlib is), and per run of rows the benchmark node's pictures, ``<run>-chart.png``
+(speed against PSNR, the exact floor and the 3 dB band) and ``<run>-frames.png`` (each row's frames through the
+stand-in's codec beside their difference to unpatched), under ``--out`` (the stand-in's metadata is in quality.json);
+one line per measured case in the log.
 """
 
 from __future__ import annotations
@@ -334,10 +336,11 @@ def main(argv=None):
     if not a.tiny and not torch.cuda.is_available():
         sys.exit("quality: needs a CUDA GPU (--tiny: a dry run on the CPU)")
     pack = be._load_pack()
-    e2e = importlib.import_module(pack.__name__ + ".nodes.e2e")
+    e2e = importlib.import_module(pack.__name__ + ".measure.e2e")
+    pictures = importlib.import_module(pack.__name__ + ".measure.pictures")
     patch = importlib.import_module(pack.__name__ + ".nodes.patch")
-    conc = importlib.import_module(pack.__name__ + ".attention.concentration")
-    cal = importlib.import_module(pack.__name__ + ".attention.calibrate")
+    conc = importlib.import_module(pack.__name__ + ".measure.concentration")
+    cal = importlib.import_module(pack.__name__ + ".measure.calibrate")
     auto_mod = importlib.import_module(pack.__name__ + ".attention.auto")
     sd = be.standin_module()
     REG = pack.attention.REGISTRY
@@ -436,14 +439,14 @@ def main(argv=None):
             if not REG.get(variant).available:
                 st.say(f"tune {variant}: not available here")
                 continue
-            # written to models/sparge_profiles (the rows name it there, as a user's would)
+            # written to models/sparge_profiles, as the node does; the rows name it by its path
             name = f"standin-{variant}-{budget}.json"
             t = time.perf_counter()
             m = patch.tune_model(job.model, variant, budget, name)
             sd.sample(m, g480, pos, neg, steps=M["tune_steps"])
             path = m.model_options["transformer_options"]["optimized_attention_override"].path
             prof = importlib.import_module(pack.__name__ + ".attention.sparge_profile").SpargeProfile.load(path)
-            profiles[(variant, budget)] = name
+            profiles[(variant, budget)] = path  # rows name it by path (this script runs locally)
             st.say(f"tune {variant} budget {budget}: {len(prof.layers)} layers tuned in {time.perf_counter() - t:.0f} s: "
                    + "; ".join(f"{i}: " + " ".join(f"{k}={v}" for k, v in e.items() if k in ("tau", "cdfthreshd",
                                "simthreshd1", "topk", "sparsity", "rel_l1")) for i, e in sorted(prof.layers.items())))
@@ -479,9 +482,14 @@ def main(argv=None):
 
     def run_rows(key, j, rows):
         rows = [r for r in rows if usable(r)]
-        res = e2e.measure(j, rows, progress=progress)
+        finals = {}
+        res = e2e.measure(j, rows, progress=progress, final_latents=finals)
         for r in res:
             r.pop("profile", None)
+        # the pictures the benchmark node returns: speed against PSNR, and the frames through the stand-in's codec
+        pictures.chart(res, f"{key}: {j.steps} steps").image.save(os.path.join(st.out, f"{key}-chart.png"))
+        pictures.frames(res, finals, j.extra["vae_decode"]).image.save(os.path.join(st.out, f"{key}-frames.png"))
+        del finals
         st.res[key] = res
         st.res[key + "-md"] = e2e.render_markdown(res)
         st.res[key + "-targets"] = e2e.targets(res) + e2e.quality_targets(res)

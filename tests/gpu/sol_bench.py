@@ -2,7 +2,7 @@
 
     python tests/gpu/sol_bench.py --md sol.md --json sol.json [--shape 1,40,32760,128] [--grid 21,30,52]
 
-Q/K/V from ``attention.inputs.structured_qkv`` (video grid, sharpness 1.5), bf16.  Each row: the kernel called as the
+Q/K/V from ``measure.inputs.structured_qkv`` (video grid, sharpness 1.5), bf16.  Each row: the kernel called as the
 pack calls it (the backend function on (B, T, H, D) views), and for Sol-Attn also straight through
 ``comfy_kitchen.sol_attn`` (what core's Model Sparse Attention node calls): ms (median of 5 rounds of back-to-back
 calls, CUDA events), speed against SDPA from the same run, and cos / rel-L1 against dense SDPA (cuDNN/flash, as
@@ -24,7 +24,7 @@ from pack import load  # noqa: E402
 
 P = load()
 A = P.attention
-inputs = __import__("importlib").import_module(A.__name__ + ".inputs")
+inputs = __import__("importlib").import_module(P.__name__ + ".measure.inputs")
 
 
 def timed(fn):

@@ -2,22 +2,26 @@
 
     python tests/gpu/sparge_sweep.py --md out.md --json out.json
 
-Inputs come from attention.inputs.structured_qkv(kind="video"): spatio-temporal locality and K channel
+Inputs come from measure.inputs.structured_qkv(kind="video"): spatio-temporal locality and K channel
 bias, so the sparsity is the kind SpargeAttn finds in real video DiTs (not i.i.d. noise, where it finds none).
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from attention import AttentionConfig, attention  # noqa: E402
-from attention.auto import accuracy, time_call  # noqa: E402
-from attention.inputs import structured_qkv  # noqa: E402
-from attention.reference import reference_attention  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (pack loader)
+from pack import load  # noqa: E402
+
+P = load()
+AttentionConfig, attention = P.attention.AttentionConfig, P.attention.attention
+accuracy, time_call = P.attention.auto.accuracy, P.attention.auto.time_call
+reference_attention = P.attention.reference.reference_attention
+structured_qkv = importlib.import_module(P.__name__ + ".measure.inputs").structured_qkv
 
 
 def timed(fn, reps=10, rounds=3):

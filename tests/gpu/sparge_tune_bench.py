@@ -8,18 +8,23 @@ so a tuned layer is never less accurate than the default; both are then measured
 """
 
 import argparse
+import importlib
 import json
 import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-from attention import AttentionConfig, attention  # noqa: E402
-from attention.auto import accuracy, time_call  # noqa: E402
-from attention.inputs import structured_qkv  # noqa: E402
-from attention.reference import reference_attention  # noqa: E402
-from attention.sparge_tune import SpargeTuner, tuning_attention  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/ (pack loader)
+from pack import load  # noqa: E402
+
+P = load()
+AttentionConfig, attention = P.attention.AttentionConfig, P.attention.attention
+accuracy, time_call = P.attention.auto.accuracy, P.attention.auto.time_call
+reference_attention = P.attention.reference.reference_attention
+structured_qkv = importlib.import_module(P.__name__ + ".measure.inputs").structured_qkv
+_tune = importlib.import_module(P.__name__ + ".measure.sparge_tune")
+SpargeTuner, tuning_attention = _tune.SpargeTuner, _tune.tuning_attention
 
 GRID = (13, 30, 52)
 H, D = 24, 128

@@ -197,7 +197,7 @@ def main():
         if a.json:
             json.dump({"meta": meta, "rows": results}, open(a.json, "w"), indent=1)
         return
-    e2e = importlib.import_module("pa_pack.nodes.e2e")
+    e2e = importlib.import_module("pa_pack.measure.e2e")
     job = e2e.build_preset(a.preset)
     job.steps = 1
     originals = {key: getattr(*key) for key in container_forwards()}

@@ -15,9 +15,7 @@ import math
 from collections import defaultdict
 from dataclasses import dataclass, field
 
-from .sparge_profile import SpargeProfile, default_grid
-
-DEFAULT_BUDGET = 0.07  # rel-L1, SpargeAttn's autotune default (l1=0.07)
+from ..attention.sparge_profile import DEFAULT_BUDGET, SpargeProfile, default_grid
 
 
 def candidates(variant: str, grid=None) -> list[list[dict]]:
@@ -113,9 +111,9 @@ def aggressiveness(variant: str, th: dict, extras) -> float:
 def tuning_attention(tuner: SpargeTuner, layer: int, q, k, v, heads, mask=None, *, skip_reshape=False,
                      skip_output_reshape=False, stats=None):
     """One attention call of a tuning run: returns dense attention; measures the candidates when SpargeAttn can take it."""
-    from .calls import finish, plan_for, prepare, run_backend
-    from .reference import accuracy
-    from .registry import REGISTRY
+    from ..attention.calls import finish, plan_for, prepare, run_backend
+    from ..attention.reference import accuracy
+    from ..attention.registry import REGISTRY
 
     q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape)
     sdpa = REGISTRY.get("sdpa")

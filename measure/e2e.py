@@ -6,8 +6,9 @@ straight from ComfyUI's hook with nothing else (what other node packs do), the y
 Columns: seconds per step (a warm-up run first: compile, tuning and kernel loading stay out), ratio to unpatched,
 cosine and relative L1 of the final latent against the unpatched one, PSNR and SSIM of the final latent against the
 reference run of the same seed (an fp32 run where the job has one, else the unpatched row) beside the exact-kernel
-floor (:mod:`attention.quality`), peak VRAM, and which kernels ran.  A row may carry a sparse kernel's options or a
-tuned profile: ``kitchen_sol[tau=2.0]``, ``sparge[cdfthreshd=0.95 simthreshd1=0.5]``, ``sparge[profile=NAME]`` (a file in models/sparge_profiles).
+floor (:mod:`.quality`), peak VRAM, and which kernels ran.  A row may carry a sparse kernel's options or a
+tuned profile: ``kitchen_sol[tau=2.0]``, ``sparge[cdfthreshd=0.95 simthreshd1=0.5]``, ``sparge[profile=PATH]`` (the node: a file name in
+models/sparge_profiles, read through its confined loader).
 
 Used by the Attention Benchmark (end to end) node on the user's model and by ``bench_e2e.py`` on ComfyUI's model
 classes at full size with random weights (``PRESETS``).
@@ -29,8 +30,8 @@ import torch
 
 from ..attention import AUTO_EXACT, REGISTRY
 from ..attention.auto import EXACT_SUFFIX, accuracy
-from ..attention.quality import AT_FLOOR, compare, psnr, verdict
-from .patch import SPARSE_START, override_of, patch_model
+from ..nodes.patch import SPARSE_START, SpargeSettings, override_of, patch_model
+from .quality import AT_FLOOR, compare, psnr, verdict
 
 log = logging.getLogger("patch_attention.e2e")
 
@@ -196,25 +197,39 @@ def parse_row(row: str) -> tuple[str, dict]:
     return m.group(1), opts
 
 
-def row_settings(backend: str, opts: dict):
-    """The sparse-attention settings a row's options make (what a SpargeAttn / Sol-Attn Settings node would give)."""
+def read_profile(path: str, variant: str):
+    """A row's ``profile=PATH``: the per-layer profile Tune Sparse Attention wrote at PATH, which must be ``variant``'s
+    (None for an empty PATH)."""
+    from ..attention.sparge_profile import SpargeProfile
+
+    if not path:
+        return None
+    prof = SpargeProfile.load(path)
+    if prof.variant != variant:
+        raise ValueError(f"profile {path} was tuned for {prof.variant}, the row selects {variant}")
+    return prof
+
+
+def row_settings(backend: str, opts: dict, profiles=None):
+    """The sparse-attention settings a row's options make (what a SpargeAttn / Sol-Attn Settings node would give).
+    ``profiles(name, variant)`` reads a ``profile=`` option (default :func:`read_profile`: the name is a path)."""
     from ..attention.sparge_profile import VARIANTS, check_thresholds, default_options
-    from .definitions import BENCH_E2E_NAME, SpargeSettings, load_profile
 
     if backend not in VARIANTS:
         raise ValueError(f"row options are for the sparse backends ({', '.join(VARIANTS)}), not {backend}")
     rest = {k: v for k, v in opts.items() if k != "profile"}
     options = check_thresholds(backend, {**default_options(backend), **rest})
-    return SpargeSettings(backend, options, load_profile(opts.get("profile", ""), backend, BENCH_E2E_NAME))
+    return SpargeSettings(backend, options, (profiles or read_profile)(opts.get("profile", ""), backend))
 
 
-def make_row_model(model, row: str):
+def make_row_model(model, row: str, profiles=None):
     """A clone of ``model`` for ``row``: unpatched, a backend, auto or auto_exact (Patch Attention, with the node's defaults),
-    ``<backend>[options]`` (a sparse backend with its options or a tuned profile), ``<backend>/no-nan-net``,
-    peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
+    ``<backend>[options]`` (a sparse backend with its options or a tuned profile, read by ``profiles``, see
+    :func:`row_settings`), ``<backend>/no-nan-net``, peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
     base, opts = parse_row(row)
     if opts:
-        return patch_model(model, base, auto_retune=True, sparge=row_settings(base, opts), sparse_start_percent=SPARSE_START)
+        return patch_model(model, base, auto_retune=True, sparge=row_settings(base, opts, profiles),
+                           sparse_start_percent=SPARSE_START)
     if row == UNPATCHED:
         return model.clone()
     if row in CORE_ROWS:
@@ -242,6 +257,19 @@ def core_rows_here() -> list[str]:
     if REGISTRY.get("kitchen_sol").available:
         rows.append(CORE_SOL)
     return rows
+
+
+def rows_from_text(text: str, peers: bool = True) -> list[str]:
+    """The rows a comma-separated list names (the node's ``rows`` input), checked; ``all`` or nothing: :func:`default_rows`."""
+    chosen = [r.strip() for r in text.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
+    if chosen:
+        known = set(default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *CORE_ROWS}
+        unknown = [r for r in chosen if parse_row(r)[0] not in known
+                   and not (r.startswith(PEER) and r[len(PEER):] in REGISTRY)]
+        if unknown:
+            raise ValueError(f"unknown row(s) {', '.join(unknown)}; use unpatched, auto, auto_exact, a backend name, "
+                             f"peer:<backend>, {CORE_INT8} or {CORE_SOL}")
+    return chosen or default_rows(peers=peers)
 
 
 def default_rows(peers=True) -> list[str]:
@@ -274,6 +302,8 @@ class Job:
     # a model whose run of the same seed is the quality reference (an fp32 copy); None: the unpatched row is
     reference: object = None
     reference_label: str = "fp32"
+    # reads a row's profile=NAME option: profiles(NAME, variant) -> SpargeProfile (None: NAME is a path, read_profile)
+    profiles: object = None
 
 
 def _sample(model, job: Job, steps: int, callback=None):
@@ -402,7 +432,8 @@ ATTENTION_KERNEL = re.compile(r"attn|attention|flash|fmha|sdpa|sol_|quant|pool_s
 
 
 def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: int = 2, progress=None,
-            profile: bool = False, profile_step: int | None = None, rounds: int = 1, stat: str = "median") -> list[dict]:
+            profile: bool = False, profile_step: int | None = None, rounds: int = 1, stat: str = "median",
+            final_latents: dict | None = None) -> list[dict]:
     """Sample ``job`` with each row, unpatched first; returns one dict per row.
 
     Every row's model is built and warmed up first (loading, compiling, tuning ``auto``, the first call of each kernel:
@@ -411,7 +442,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
     instead of landing on a few.  s/step is the median over rounds of each run's median step, or with ``stat="min"``
     their minimum (on a shared host, contention only adds time: with enough rounds the minimum is the stable
     estimate of a host-bound row).  ``profile``: also one profiled step per row (the run's last, or ``profile_step``;
-    top device kernels, in ``row["profile"]``)."""
+    top device kernels, in ``row["profile"]``).  ``final_latents``: a dict that receives each row's final latent (float32,
+    on the CPU, by the row's name) for :mod:`.pictures`."""
     pick = {"median": statistics.median, "min": min}[stat]
     if rows[0] != UNPATCHED:
         rows = [UNPATCHED, *[r for r in rows if r != UNPATCHED]]
@@ -423,7 +455,7 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
             if row in CORE_ROWS:
                 m, r["note"] = core_row_model(job.model, row)
             else:
-                m = make_row_model(job.model, row)
+                m = make_row_model(job.model, row, job.profiles)
             if compile:
                 from comfy_api.torch_helpers import set_torch_compile_wrapper
 
@@ -456,6 +488,8 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
         if row not in models:
             continue
         m, lat = models[row], latents[row].float()
+        if final_latents is not None:
+            final_latents[r["row"]] = lat.detach().cpu()
         r["s_per_step"] = pick(times[row])
         r["stat"] = stat
         r["s_per_step_runs"] = [round(t, 5) for t in times[row]]
@@ -528,7 +562,7 @@ def reference_latent(job: Job, unpatched):
 def add_floor(out_rows) -> None:
     """The exact-kernel floor beside every row's PSNR: against an fp32 reference, the worst PSNR of the exact rows
     (what half-precision rounding alone costs); against the unpatched row, the PSNR of the other exact rows (two exact
-    kernels' difference).  Each row gets ``floor_psnr`` and ``quality`` (:func:`attention.quality.verdict`)."""
+    kernels' difference).  Each row gets ``floor_psnr`` and ``quality`` (:func:`.quality.verdict`)."""
     measured = [r for r in out_rows if "psnr" in r]
     if not measured:
         return

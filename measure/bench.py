@@ -1,15 +1,15 @@
 """Speed, peak memory and accuracy of every installed backend on diffusion-model shapes.
 
-    python -m attention.bench                        # all presets, all usable backends
-    python -m attention.bench --preset flux --preset wan-480p --json out.json --png out.png
-    python -m attention.bench --shape 2,10,4096,64 --shape 1,24,4608,128,512
+    python bench_kernels.py                        # all presets, all usable backends
+    python bench_kernels.py --preset flux --preset wan-480p --json out.json --png out.png
+    python bench_kernels.py --shape 2,10,4096,64 --shape 1,24,4608,128,512
 
 Run it from the pack's folder with ComfyUI's Python.  Rows: backends usable
 here, ``auto``, and what other packs do (``peer:comfy_default``: ComfyUI's
 default attention call; ``peer:sageattn``: a raw ``sageattn()`` call).  Times
 are medians of CUDA-event timings; ratios are against SDPA measured in the
 same run.  Accuracy is cosine / relative L1 against fp32 SDPA on inputs with
-DiT-like structure (:mod:`attention.inputs`).
+DiT-like structure (:mod:`measure.inputs`).
 """
 
 from __future__ import annotations
@@ -21,11 +21,11 @@ import sys
 
 import torch
 
-from .auto import AutoSelector, accuracy, time_call
-from .dispatch import AttentionConfig, attention
+from ..attention.auto import AutoSelector, accuracy, time_call
+from ..attention.dispatch import AttentionConfig, attention
+from ..attention.reference import reference_attention
+from ..attention.registry import REGISTRY
 from .inputs import structured_qkv
-from .reference import reference_attention
-from .registry import REGISTRY
 
 # name: (B, H, Nq, D, Nk or None, token grid or None, description)
 PRESETS = {
@@ -97,7 +97,7 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
         direct = None
         spec_ok = True
         try:
-            from .calls import make_spec, plan_for
+            from ..attention.calls import make_spec, plan_for
 
             spec = make_spec(q, k, v, "HND", None)
             target, reason = plan_for(backend, spec)
@@ -289,7 +289,7 @@ def run(shapes: dict, *, backends=(), dtype="bf16", warmup=3, reps=10, json_path
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(prog="python -m attention.bench", description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python bench_kernels.py", description=__doc__.split("\n")[0])
     ap.add_argument("--preset", action="append", choices=sorted(PRESETS), help="default: all")
     ap.add_argument("--shape", action="append", default=[], help="B,H,N,D[,Nk] (repeatable)")
     ap.add_argument("--backends", default="", help="comma-separated subset")
