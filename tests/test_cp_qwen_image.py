@@ -13,10 +13,12 @@ from __future__ import annotations
 import importlib
 
 import pytest
+import test_context_parallel
 import torch
-from test_context_parallel import C, G, U, _case, _split, check_split, rel_l1, run_ranks, whole, zoo  # noqa: F401
+from test_context_parallel import C, G, U, _case, _split, check_split, rel_l1, run_ranks, whole
 
 F = torch.nn.functional
+zoo = test_context_parallel.zoo  # the fixture: ComfyUI, the zoo and the pack
 
 
 # ---------------------------------------------------------------- the key mask through the exchange
@@ -81,6 +83,32 @@ def test_a_mask_that_differs_by_query_is_refused_with_its_shape():
     with pytest.raises(ValueError, match=r"a mask of shape \(1, 8, 8\) over a split sequence of 8 keys and 2 heads: only "
                                          r"a key mask \(one row for every query\) can be split"):
         U.ulysses(group, 0, lay, x, x, x, whole, torch.zeros(1, 8, 8))
+
+
+def test_the_hook_passes_a_key_mask_on_and_refuses_one_that_differs_by_query():
+    """Through the Context Parallel attention hook (one rank, its shard the whole sequence): a ``[B, 1, L]`` key mask
+    reaches the kernel as ComfyUI's function would get it; a ``[B, L, L]`` mask is refused with its shape."""
+    cp = importlib.import_module(test_context_parallel.P.__name__ + ".nodes.context_parallel")
+    ctx = C.RankContext(G.Group(["cpu"]), 0, None)
+    assert ctx.start(6, prefix=2)
+    topts = {C.CP_KEY: ctx}
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(1, 8, 2 * 4, generator=g, dtype=torch.float64) for _ in range(3))
+    mask = torch.zeros(1, 1, 8, dtype=torch.float64)
+    mask[..., :2] = -torch.finfo(torch.float64).max  # the first two keys (text padding) masked out
+    got = []
+
+    def func(q, k, v, heads, mask=None, **kw):
+        got.append(mask)
+        return whole_masked(*(t.view(1, 8, heads, -1) for t in (q, k, v)), mask).reshape(1, 8, -1)
+
+    hook = cp.ContextParallelAttention()
+    out = hook(func, q, k, v, 2, mask=mask, transformer_options=topts)
+    assert ctx.exchanged == 1 and got[0].shape == (1, 1, 8)
+    assert torch.allclose(out, whole_masked(*(t.view(1, 8, 2, 4) for t in (q, k, v)), mask).reshape(1, 8, -1))
+    with pytest.raises(ValueError, match=r"Context Parallel: an attention call over the split sequence with a mask of "
+                                         r"shape \(1, 8, 8\) \(only a key mask"):
+        hook(func, q, k, v, 2, mask=torch.zeros(1, 8, 8), transformer_options=topts)
 
 
 # ---------------------------------------------------------------- Qwen-Image and Mage-Flow models
