@@ -11,6 +11,9 @@ attention is computed on one device over the whole sequence, as on one GPU.
 - **Tokens every rank holds whole** (a joint text+image sequence where the text is not split: Flux puts it first, the
   *prefix*, HunyuanVideo last, the *suffix*) take part in the attention once, from the receiving rank's own copy; their
   output rows are gathered over heads.
+- **A key mask** (one row for every query, e.g. a text padding mask over a joint sequence: ``[..., 1, keys]``) is
+  exchanged with the keys: each rank's kernel gets the mask's columns for the whole sequence (and its share of the
+  mask's heads, where it has a head dimension).  A mask that differs by query cannot be split this way.
 """
 
 from __future__ import annotations
@@ -46,17 +49,26 @@ def shard_layout(tokens: int, ranks: int, prefix: int = 0, suffix: int = 0) -> L
     return Layout(prefix, tuple(split(tokens, ranks)), suffix)
 
 
-def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
+def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None):
     """Attention of this rank's tokens over every rank's tokens.
 
     ``q``: ``[B, L_r, H, D]``, ``k``/``v``: ``[B, L_r, Hk, D]``/``[B, L_r, Hk, Dv]`` (any strides; ``L_r`` =
     ``layout.local_len(rank)``).  ``local(q, k, v)`` is the kernel: it gets ``[B, L, h, D]`` tensors (contiguous, ``L``
     the whole sequence, ``h`` this rank's heads) and returns ``[B, L, h, Dv]`` (any strides).  Returns ``[B, L_r, H, Dv]``.
+
+    ``mask``: a key mask over this rank's keys, the same for every query: ``[1, L_r]``, ``[B, 1, L_r]`` or
+    ``[B, H or 1, 1, L_r]`` (ComfyUI's mask shapes with one query row).  The kernel is then called as
+    ``local(q, k, v, mask)`` with the mask over the whole sequence (``[..., 1, L]``; with a head dimension of ``H``, this
+    rank's heads).
     """
     b, _, h, d = q.shape
     hk, dv = k.shape[2], v.shape[3]
     if h % hk:
         raise ValueError(f"{h} query heads do not group over {hk} key/value heads")
+    if mask is not None and not (2 <= mask.ndim <= 4 and mask.shape[-2] == 1 and mask.shape[-1] == k.shape[1]
+                                 and (mask.ndim < 4 or mask.shape[1] in (1, h))):
+        raise ValueError(f"a mask of shape {tuple(mask.shape)} over a split sequence of {k.shape[1]} keys and {h} heads: "
+                         "only a key mask (one row for every query) can be split")
     g = h // hk
     kv_heads = split(hk, group.size)
     full, p, sfx = layout.full_len, layout.prefix, layout.suffix
@@ -64,12 +76,21 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
     dev = q.device
     bufs = [torch.empty(b, full, g * c, d, dtype=q.dtype, device=dev), torch.empty(b, full, c, d, dtype=k.dtype, device=dev),
             torch.empty(b, full, c, dv, dtype=v.dtype, device=dev)]
+    posted, mask_heads = (q, k, v), False
+    if mask is not None:
+        mask_heads = mask.ndim == 4 and mask.shape[1] > 1  # a head dimension: this rank's query heads
+        mshape = (*mask.shape[:-3], g * c if mask_heads else mask.shape[-3], 1, full) if mask.ndim > 2 else (1, full)
+        bufs.append(torch.empty(mshape, dtype=mask.dtype, device=dev))
+        posted += (mask,)
+
+    def mask_cols(m, cols):  # a rank's mask columns ``cols``, its heads only
+        return m[:, g * a:g * (a + c), :, cols] if mask_heads else m[..., cols]
 
     def fill_in(peer, tensors, copy):
         if c == 0:
             return
-        qf, kf, vf = bufs
-        qp, kp, vp = tensors
+        qf, kf, vf = bufs[:3]
+        qp, kp, vp = tensors[:3]
         s0, sc = layout.shards[peer]
         if sc:
             rows = slice(p + s0, p + s0 + sc)
@@ -77,13 +98,17 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
             copy(qf[:, rows], qp[:, src, g * a:g * (a + c)])
             copy(kf[:, rows], kp[:, src, a:a + c])
             copy(vf[:, rows], vp[:, src, a:a + c])
+            if mask is not None:
+                copy(bufs[3][..., rows], mask_cols(tensors[3], src))
         if peer == rank:  # the tokens every rank holds whole: from this rank's own copy
             for dst_rows, src_rows in _ends(p, sfx, full, q.shape[1]):
                 copy(qf[:, dst_rows], q[:, src_rows, g * a:g * (a + c)])
                 copy(kf[:, dst_rows], k[:, src_rows, a:a + c])
                 copy(vf[:, dst_rows], v[:, src_rows, a:a + c])
+                if mask is not None:
+                    copy(bufs[3][..., dst_rows], mask_cols(mask, src_rows))
 
-    group.exchange(rank, (q, k, v), fill_in)
+    group.exchange(rank, posted, fill_in)
     if c:
         of = local(*bufs)
     else:
