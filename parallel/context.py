@@ -35,6 +35,7 @@ class RankContext:
         self.why = ""  # why it runs whole
         self.exchanged = 0  # attention calls exchanged in this forward (for the report)
         self.last_key = None  # the block-replace key of the forward's last block (set by the node's forward wrapper)
+        self.state = {}  # the family unit's own values for this forward (e.g. which tokens are this rank's)
         self._layout = None
 
     @property
