@@ -1,8 +1,9 @@
 """Wan 2.1/2.2 variants beside the plain ``WanModel`` (:mod:`.wan`): VACE, camera control, SCAIL, S2V, WanDancer,
-Animate.  Each runs its blocks as ``WanModel`` does (``block(x, e=e0, freqs=freqs, context=context, ...)`` through the
-block-replace patches; self-attention exchanged, cross-attention to text and CLIP tokens whole on every GPU), so the
-video tokens are split as in :class:`~.wan.WanUnit`: ``x``, the RoPE frequencies ``freqs`` (dim 1) and the modulation
-``e0`` sharded at each block.  What differs is what each variant does around its blocks:
+Animate, HuMo.  Each runs its blocks as ``WanModel`` does (``block(x, e=e0, freqs=freqs, context=context, ...)``
+through the block-replace patches; self-attention exchanged, cross-attention to text and CLIP tokens whole on every
+GPU), so the video tokens are split as in :class:`~.wan.WanUnit`: ``x``, the RoPE frequencies ``freqs`` (dim 1) and the
+modulation ``e0`` sharded at each block (``e0`` per token, per frame or per segment as each GPU's tokens get it:
+:func:`modulation_shard`).  What differs is what each variant does around its blocks:
 
 - **Camera** (``CameraWanModel``): the camera embedding is added to the tokens before the blocks; nothing else.
 - **SCAIL, SCAIL-2** (``SCAILWanModel``, ``SCAIL2WanModel``): the pose tokens join the video tokens (and their RoPE
@@ -20,7 +21,9 @@ video tokens are split as in :class:`~.wan.WanUnit`: ``x``, the RoPE frequencies
   control tokens ``c`` and the embedded latent ``x_orig``, whole, called directly with the whole ``freqs``) and adds
   their hints to ``x``: ``x += c_skip * strength``.  Those VACE blocks are reached by no patch, so every GPU runs them
   on the whole sequence, the same on every GPU; their attention calls (queries and keys over the whole sequence) are
-  shared out by heads instead of every GPU computing all of them (:meth:`~..context.RankContext.pause`).
+  shared out by heads instead of every GPU computing all of them (:meth:`~..context.RankContext.pause`).  The rest of
+  a VACE block (projections, feed-forward) and its activations are not divided: a VACE forward gains less from more
+  GPUs than a plain Wan one.
 
 What S2V, WanDancer, Animate and VACE do to ``x`` between blocks works token by token (an addition, a layer norm, the
 queries of an attention over other tokens), over the whole sequence.  So each block hands back the whole length: the
