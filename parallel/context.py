@@ -35,6 +35,7 @@ class RankContext:
         self.why = ""  # why it runs whole
         self.exchanged = 0  # attention calls exchanged in this forward (for the report)
         self.last_key = None  # the block-replace key of the forward's last block (set by the node's forward wrapper)
+        self.state = {}  # the family unit's own values for this forward (e.g. which tokens are this rank's)
         self._layout = None
 
     @property
@@ -75,6 +76,17 @@ class RankContext:
     def rows(self, rank: int | None = None) -> tuple[int, int]:
         """(start, count) of ``rank``'s shard (this rank's by default) within the split part."""
         return self.layout.shards[self.rank if rank is None else rank]
+
+    def pause(self, whole: int = 0) -> None:
+        """Leave the split part for a while: the model runs something of its own on whole tensors between blocks, the
+        same on every rank; :meth:`resume` comes back.  ``whole``: meanwhile, attention calls whose queries and keys
+        both have that many tokens are shared out by heads (each rank computes its heads over the whole sequence and
+        every rank gets every head), which is exact only where every rank holds the same q, k and v."""
+        self.layout = Layout(whole, tuple((0, 0) for _ in range(self.size))) if whole else None
+
+    def resume(self) -> None:
+        """The layout :meth:`start` decided, again (after :meth:`pause` or :meth:`gather`)."""
+        self.layout = self._layout
 
     def set_ends(self, prefix: int, suffix: int = 0) -> None:
         """The tokens every rank keeps whole around the split part of the attention sequence, from here on (a model
