@@ -315,3 +315,28 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     two = {"multigpu_clones": {d: clones[d] for d in devs[:2]}}
     groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), two, None)
     assert len(groups) == 1 and len(groups[0]) == 2
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3])
+def test_wan22_with_a_start_image_splits_its_per_frame_modulation(zoo, n):
+    """Wan 2.2 TI2V with a start image: the noise mask keeps the first frame, so the model gets a timestep per frame and
+    its modulation is one row per frame (spread over each frame's tokens): every GPU takes the rows of its tokens."""
+    import comfy.patcher_extension as pe
+
+    z, mod, mappings = zoo
+
+    def first_frame_kept(patcher):
+        def wrapper(executor, noise, latent_image, sampler, sigmas, denoise_mask=None, *args, **kwargs):
+            mask = torch.ones_like(noise)
+            mask[:, :, :1] = 0.0
+            return executor(noise, latent_image, sampler, sigmas, mask, *args, **kwargs)
+
+        m = patcher.clone()
+        pe.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "start_image", wrapper, m.model_options, is_model_options=True)
+        return m
+
+    import comfy.supported_models as sm
+
+    case = z.with_(z.BUILDERS["WAN22_T2V"](sm.WAN22_T2V, False), latent=(1, 48, 3, 8, 8), patch=first_frame_kept)
+    check_split(zoo, "WAN22_T2V", n, case=case)

@@ -3,13 +3,15 @@ block.
 
 ComfyUI's ``WanModel.forward_orig`` embeds the latent into ``x`` ``[B, L, C]`` (reference and in-context latents joined
 along the tokens), computes the RoPE frequencies ``freqs`` for those ``L`` tokens (dim 1) and the modulation ``e0``
-(``[B, 1, 6, C]``, or per token ``[B, L, 6, C]`` for Wan 2.2's per-frame timesteps), then runs each block as
+(``[B, 1, 6, C]``, or per token or per frame ``[B, n, 6, C]`` for Wan 2.2's per-frame timesteps), then runs each block as
 ``block(x, e=e0, freqs=freqs, context=context, ...)`` (the patch sees ``img``, ``vec``, ``pe``, ``txt``).  In a block,
 self-attention runs over ``x``'s tokens (exchanged) and cross-attention over the text (and CLIP image) tokens, which
 every GPU keeps whole.  Everything else in a block is per token.
 """
 
 from __future__ import annotations
+
+import torch
 
 from . import Unit
 
@@ -33,9 +35,7 @@ class WanUnit(Unit):
         if i == 0:
             a["img"] = ctx.shard(x)
         a["pe"] = ctx.shard(args["pe"], 1)
-        vec = args["vec"]
-        if vec.ndim == 4 and vec.shape[1] == ctx.layout.full_len > 1:  # per-token modulation [B, L, 6, C]
-            a["vec"] = ctx.shard(vec, 1)
+        a["vec"] = modulation_shard(args["vec"], ctx)
         out = inner(a)
         if key == ctx.last_key:
             out = {**out, "img": ctx.gather(out["img"])}
@@ -59,6 +59,27 @@ class WanUnit(Unit):
             if patches.get(name):
                 return f"a model patch ({name}) that needs the whole sequence"
         return ""
+
+
+def modulation_shard(vec: torch.Tensor, ctx, tokens: torch.Tensor | None = None) -> torch.Tensor:
+    """This GPU's share of a block's modulation ``e0``: ``[B, 6, C]`` and ``[B, 1, 6, C]`` (the same for every token)
+    as they are; ``[B, n, 6, C]`` (per token, per frame or per segment: ``repeat_e`` spreads the ``n`` values over the
+    ``L`` tokens, each repeated ``L // n`` times, or one more and cut at ``L``) as one row per token of this GPU
+    (``tokens``: their indices in the sequence, where they are not the rank's rows of :meth:`RankContext.rows`)."""
+    if vec.ndim < 4 or vec.shape[1] == 1:
+        return vec
+    full, n = ctx.layout.full_len, vec.shape[1]
+    s0, sc = ctx.rows()
+    if n == full:
+        return vec.narrow(1, s0, sc) if tokens is None else vec.index_select(1, tokens)
+    r = full // n
+    if r == 1:  # repeat_e leaves it as it is, and the block refuses it: let it say so
+        return vec
+    if r * n != full:
+        r += 1
+    if tokens is None:
+        tokens = torch.arange(s0, s0 + sc, device=vec.device)
+    return vec.index_select(1, tokens // r)
 
 
 UNITS = [WanUnit()]

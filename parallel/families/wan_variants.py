@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import torch
 
-from .wan import WanUnit
+from .wan import WanUnit, modulation_shard
 
 
 class WanVariantUnit(WanUnit):
@@ -81,27 +81,6 @@ class WanVariantUnit(WanUnit):
     def others(self, args) -> set:
         """Key lengths of the attention calls that are not over the split sequence (through the hook)."""
         return self.context_lengths(args["txt"].shape[1])
-
-
-def modulation_shard(vec: torch.Tensor, ctx, tokens: torch.Tensor | None = None) -> torch.Tensor:
-    """This GPU's share of a block's modulation ``e0``: ``[B, 6, C]`` and ``[B, 1, 6, C]`` (the same for every token)
-    as they are; ``[B, n, 6, C]`` (per token, per frame or per segment: ``repeat_e`` spreads the ``n`` values over the
-    ``L`` tokens, each repeated ``L // n`` times, or one more and cut at ``L``) as one row per token of this GPU
-    (``tokens``: their indices in the sequence, where they are not the rank's rows of :meth:`RankContext.rows`)."""
-    if vec.ndim < 4 or vec.shape[1] == 1:
-        return vec
-    full, n = ctx.layout.full_len, vec.shape[1]
-    s0, sc = ctx.rows()
-    if n == full:
-        return vec.narrow(1, s0, sc) if tokens is None else vec.index_select(1, tokens)
-    r = full // n
-    if r == 1:  # repeat_e leaves it as it is, and the block refuses it: let it say so
-        return vec
-    if r * n != full:
-        r += 1
-    if tokens is None:
-        tokens = torch.arange(s0, s0 + sc, device=vec.device)
-    return vec.index_select(1, tokens // r)
 
 
 def put_back(whole: torch.Tensor, part: torch.Tensor, ctx) -> torch.Tensor:
