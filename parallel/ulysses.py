@@ -11,6 +11,9 @@ attention is computed on one device over the whole sequence, as on one GPU.
 - **Tokens every rank holds whole** (a joint text+image sequence where the text is not split: Flux puts it first, the
   *prefix*, HunyuanVideo last, the *suffix*) take part in the attention once, from the receiving rank's own copy; their
   output rows are gathered over heads.
+- **A mask over the whole sequence** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
+  side of the exchange, where each rank holds every token: the kernel runs once per range of query rows, each with
+  that range's mask, so no ``[L, L]`` mask is ever made.
 """
 
 from __future__ import annotations
@@ -42,16 +45,53 @@ class Layout:
         return Layout(prefix, self.shards, suffix)
 
 
+@dataclass(frozen=True)
+class RowMasks:
+    """An additive attention mask over the whole attention sequence of a split forward (prefix, split part, suffix;
+    queries and keys the same sequence), by ranges of query rows: ``parts`` = ``((start, stop, mask or None), ...)``,
+    covering rows ``0..L`` in order; each mask broadcasts to ``[B, 1, stop - start, L]`` (one for every head)."""
+
+    parts: tuple
+
+    def check(self, full: int) -> None:
+        """A clear error where the parts do not describe a mask over ``full`` tokens."""
+        row = 0
+        for start, stop, mask in self.parts:
+            if start != row or stop < start:
+                raise ValueError(f"mask rows {start}..{stop} do not follow rows 0..{row} (a mask over {full} tokens)")
+            row = stop
+            if mask is None:
+                continue
+            m = mask.shape
+            heads = m[-3] if len(m) >= 3 else 1
+            if len(m) < 2 or m[-1] != full or m[-2] not in (1, stop - start) or heads != 1:
+                raise ValueError(f"a mask of shape {tuple(m)} for rows {start}..{stop} of {full} tokens (expected "
+                                 f"[B, 1, {stop - start} or 1, {full}])")
+        if row != full:
+            raise ValueError(f"mask rows 0..{row} of {full} tokens")
+
+    def around(self, local):
+        """The kernel ``local(q, k, v, mask=None)`` over the whole sequence, each range of query rows with its mask."""
+
+        def masked(q, k, v):
+            outs = [local(q[:, a:b], k, v, mask=m) for a, b, m in self.parts if b > a]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+        return masked
+
+
 def shard_layout(tokens: int, ranks: int, prefix: int = 0, suffix: int = 0) -> Layout:
     return Layout(prefix, tuple(split(tokens, ranks)), suffix)
 
 
-def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
+def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, masks: RowMasks | None = None):
     """Attention of this rank's tokens over every rank's tokens.
 
     ``q``: ``[B, L_r, H, D]``, ``k``/``v``: ``[B, L_r, Hk, D]``/``[B, L_r, Hk, Dv]`` (any strides; ``L_r`` =
     ``layout.local_len(rank)``).  ``local(q, k, v)`` is the kernel: it gets ``[B, L, h, D]`` tensors (contiguous, ``L``
-    the whole sequence, ``h`` this rank's heads) and returns ``[B, L, h, Dv]`` (any strides).  Returns ``[B, L_r, H, Dv]``.
+    the whole sequence, ``h`` this rank's heads) and returns ``[B, L, h, Dv]`` (any strides).  With ``masks``, it is
+    called as ``local(q, k, v, mask=...)`` once per range of query rows (``q`` those rows only, a view).  Returns
+    ``[B, L_r, H, Dv]``.
     """
     b, _, h, d = q.shape
     hk, dv = k.shape[2], v.shape[3]
@@ -85,7 +125,7 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
 
     group.exchange(rank, (q, k, v), fill_in)
     if c:
-        of = local(*bufs)
+        of = (masks.around(local) if masks is not None else local)(*bufs)
     else:
         of = torch.empty(b, full, 0, dv, dtype=v.dtype, device=dev)
     bufs.clear()  # the kernel's inputs go before the output is exchanged
