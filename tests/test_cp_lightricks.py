@@ -127,6 +127,37 @@ def test_the_guide_mask_reaches_the_exchange_and_matters(zoo, monkeypatch):
         check_split(zoo, "LTXV", 2, case=ltxv_case(z))
 
 
+def test_the_guide_rows_reach_the_kernel_as_comfyui_makes_them(zoo):
+    """Under the split, the override below it gets the guide's two masked calls per self-attention as ComfyUI's own
+    partition makes them on one GPU (the video's rows and the guide's, full precision asked for, over every key), on
+    a share of the heads."""
+    z, mod, mappings = zoo
+    import comfy.supported_models as sm
+
+    case = ltxv_case(z)
+    calls = []
+
+    def recorder(func, *args, **kwargs):
+        q, k, heads = args[0], args[1], args[3]
+        mask = kwargs.get("mask")
+        calls.append((q.shape[1], k.shape[1], heads, None if mask is None else tuple(mask.shape),
+                      kwargs.get("low_precision_attention", True)))
+        return func(*args, **kwargs)
+
+    base = z.build(sm.LTXV, case)
+    whole = base.clone()
+    whole.model_options["transformer_options"]["optimized_attention_override"] = recorder
+    z.sample(whole, case)
+    one_gpu = set(calls)
+    calls.clear()
+    z.sample(_split(mod, whole, 2), case)
+    split = set(calls)
+    guide = {(32, 48, 2, (1, 1, 1, 48), False), (16, 48, 2, (1, 1, 16, 48), False)}
+    assert guide <= one_gpu
+    # on the ranks: the same two calls with one head each, and no other masked call but the text's (8 keys)
+    assert {c for c in split if c[3] is not None and c[1] != 8} == {(a, b, 1, m, lp) for a, b, _, m, lp in guide}
+
+
 def _with_self_mask(z, mask):
     """LTX-Video with ``mask`` (a function of the token count, the same mask on every call) as the blocks'
     self-attention mask in place of the guide's, as a model patch of the diffusion model would pass it."""
