@@ -1,4 +1,4 @@
-"""LTX-Video (Lightricks): the video tokens split over GPUs between the first and last block.
+"""LTX-Video and LTX-2 (Lightricks): the video tokens split over GPUs between the first and last block.
 
 ComfyUI's ``LTXVModel`` patchifies the latent (1x1x1: one token per latent pixel, guide frames of LTXVAddGuide /
 LTXVImgToVideo appended after the video's) into ``x`` ``[B, L, C]``, then runs each block through the block-replace
@@ -15,6 +15,8 @@ What a GPU gets: its share of ``x`` (at the first block), of the RoPE matrices a
 mask is taken out of the block's arguments and applied on the far side of the exchange, where each GPU holds every
 token for its heads (:class:`~..ulysses.RowMasks`: the same row ranges and masks as ComfyUI's own partitioned call).
 The last block gathers ``x`` back, so the head and unpatchify see the whole sequence.
+
+LTX-2 (:class:`LTX2Unit`) splits its video the same way and keeps its audio whole on every GPU.
 """
 
 from __future__ import annotations
