@@ -14,7 +14,8 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
   in the forward's ``transformer_options`` and the family unit's block patches; it returns the first GPU's output.
 - **The attention hook** (:class:`ContextParallelAttention`): calls over the split sequence are exchanged
   (:mod:`..parallel.ulysses`) around whatever was on the hook: Patch Attention (any backend, ``auto``), another
-  override, or ComfyUI's own attention.  It stays on top whichever node is applied first.
+  override, or ComfyUI's own attention; calls from a sequence every GPU holds whole to the split one get the split
+  sequence's keys and values from every GPU.  It stays on top whichever node is applied first.
 """
 
 from __future__ import annotations
@@ -66,8 +67,11 @@ class ContextParallelAttention:
         ctx = topts.get(CP_KEY) if topts else None
         if ctx is not None and ctx.layout is not None:
             a, rest = bind(args, kwargs)
-            if ctx.exchanges(_seq_len(a["q"], a), _seq_len(a["k"], a)):
+            q_len, k_len = _seq_len(a["q"], a), _seq_len(a["k"], a)
+            if ctx.exchanges(q_len, k_len):
                 return self._exchanged(ctx, func, a, rest)
+            if ctx.gathers(q_len, k_len):
+                return self._gathered(ctx, func, a, rest)
         return self._call_inner(func, *args, **kwargs)
 
     def container_function(self, *args, **kwargs):
@@ -80,7 +84,7 @@ class ContextParallelAttention:
 
     def _exchanged(self, ctx, func, a, rest):
         q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
-        mask = a.get("mask")
+        mask = own_mask = a.get("mask")
         if mask is not None and not (mask.ndim >= 2 and mask.shape[-2] == 1):
             raise ValueError(f"{NODE}: an attention call over the split sequence with a mask of shape {tuple(mask.shape)} "
                              "(only a key mask, one row for every query, can be split: this model's unit must keep such "
@@ -97,17 +101,31 @@ class ContextParallelAttention:
         extra = {key: val for key, val in rest.items()}
         precision = a.get("attn_precision")
 
-        def local(qf, kf, vf, mf=None):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
-            bl, lf, h, dq = qf.shape
-            out = self._call_inner(func, qf.view(bl, lf, h * dq), kf.view(bl, lf, -1), vf.view(bl, lf, -1), h,
-                                   mask=mf, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
-                                   **extra)
-            return out.reshape(bl, lf, h, -1)
+        def local(qf, kf, vf, mask=None):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
+            bl, lq, h, dq = qf.shape
+            lk = kf.shape[1]
+            # a mask over query rows comes from the unit (the model's call had none): exact, as ComfyUI's own masked calls
+            # of those models; the call's own key mask keeps the call's own flags
+            more = extra if mask is None or own_mask is not None else {**extra, "low_precision_attention": False}
+            out = self._call_inner(func, qf.view(bl, lq, h * dq), kf.view(bl, lk, -1), vf.view(bl, lk, -1), h,
+                                   mask=mask, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
+                                   **more)
+            return out.reshape(bl, lq, h, -1)
 
         o = ctx.attention(qn, kn, vn, local, mask)  # [B, L_r, H, Dv]
         if skip_out:
             return o.transpose(1, 2)
         return o.reshape(b, o.shape[1], -1)
+
+    def _gathered(self, ctx, func, a, rest):
+        """A call from a sequence every GPU holds whole to the split one: the split sequence's keys and values from
+        every GPU, the call as on one GPU (each GPU computes the same output)."""
+        if a.get("mask") is not None:
+            raise ValueError(f"{NODE}: a masked attention call to the split sequence (this model's unit must keep such "
+                             "forwards on one GPU)")
+        k, v = ctx.keys(a["k"], a["v"], 2 if a.get("skip_reshape", False) else 1)
+        named = {n: x for n, x in a.items() if n not in ("q", "k", "v", "heads")}
+        return self._call_inner(func, a["q"], k, v, a["heads"], **named, **rest)
 
 
 def _seq_len(t, a) -> int:

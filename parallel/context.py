@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .group import Group, split
-from .ulysses import Layout, ulysses
+from .ulysses import Layout, RowMasks, ulysses
 
 CP_KEY = "patch_attention_context_parallel"
 
@@ -31,6 +31,8 @@ class RankContext:
         self.unit = unit  # the family unit that splits this model's forward
         self.layout: Layout | None = None  # set while the blocks carry shards
         self.others = frozenset()  # key lengths of the forward's other attention calls (text, image): never exchanged
+        self.whole_queries = frozenset()  # query lengths of calls from a sequence held whole to the split one
+        self.masks: RowMasks | None = None  # the mask of the exchanged calls, over the whole sequence (set_masks)
         self.split = None  # None: undecided; True: this forward is split; False: it runs whole on every rank
         self.why = ""  # why it runs whole
         self.exchanged = 0  # attention calls exchanged in this forward (for the report)
@@ -44,17 +46,21 @@ class RankContext:
 
     # ------------------------------------------------------------------ the decision, at the first block
 
-    def start(self, tokens: int, others=(), prefix: int = 0, suffix: int = 0, why_not: str = "") -> bool:
+    def start(self, tokens: int, others=(), prefix: int = 0, suffix: int = 0, why_not: str = "",
+              whole_queries=()) -> bool:
         """Decide whether this forward splits ``tokens`` (beside ``prefix``/``suffix`` tokens every rank keeps whole).
         ``others``: the key lengths of the forward's attention calls that are not over the split sequence
         (cross-attention to text, to image tokens): a call is exchanged when its queries and keys both have a rank's
-        length, so no rank's length may be one of them.  Every rank decides the same.  True: split; False on the first
-        rank (it runs the forward alone), :class:`StopRank` on the others."""
+        length, so no rank's length may be one of them.  ``whole_queries``: the query lengths of calls from a sequence
+        every rank holds whole to the split one (LTX-2's audio attending to the video): their keys and values are
+        gathered from every rank (:meth:`gathers`), and no rank's length may be one of them either.  Every rank decides
+        the same.  True: split; False on the first rank (it runs the forward alone), :class:`StopRank` on the
+        others."""
         if self.split is not None:  # the same forward again (computed again after a NaN): the same split
             self.layout = self._layout
             return self.split
         layout = Layout(prefix, tuple(split(tokens, self.size)), suffix)
-        clash = sorted({layout.local_len(r) for r in range(self.size)} & set(others))
+        clash = sorted({layout.local_len(r) for r in range(self.size)} & (set(others) | set(whole_queries)))
         if why_not:
             self.why = why_not
         elif tokens < self.size:
@@ -69,6 +75,7 @@ class RankContext:
             return False
         self.layout = self._layout = layout
         self.others = frozenset(others)
+        self.whole_queries = frozenset(whole_queries)
         return True
 
     # ------------------------------------------------------------------ tensors
@@ -110,6 +117,12 @@ class RankContext:
     def gather(self, t: torch.Tensor, dim: int = 1, ends: bool = True) -> torch.Tensor:
         """The whole sequence from every rank's shard ``t`` (prefix and suffix from this rank's own copy; ``ends=False``:
         ``t`` is the split part alone), on every rank; the layout ends (blocks after this see whole tensors)."""
+        out = self.whole(t, dim, ends)
+        self.layout = None
+        return out
+
+    def whole(self, t: torch.Tensor, dim: int = 1, ends: bool = True) -> torch.Tensor:
+        """As :meth:`gather`, but the layout stays (one tensor of a block made whole, the blocks still split)."""
         lay = self.layout
         p, sfx = (lay.prefix, lay.suffix) if ends else (0, 0)
         shape = list(t.shape)
@@ -129,7 +142,6 @@ class RankContext:
                     copy(out.narrow(dim, shape[dim] - sfx, sfx), t.narrow(dim, local - sfx, sfx))
 
         self.group.exchange(self.rank, (t,), fill)
-        self.layout = None
         return out
 
     def any(self, flag: bool) -> bool:
@@ -145,13 +157,31 @@ class RankContext:
 
     # ------------------------------------------------------------------ attention
 
+    def set_masks(self, masks: RowMasks | None) -> None:
+        """The additive mask of the exchanged calls from here on (None: none), over the whole attention sequence: each
+        rank's kernel applies it where it holds every token (:class:`~.ulysses.RowMasks`).  A clear error where it does
+        not fit the sequence."""
+        if masks is not None:
+            masks.check(self.layout.full_len)
+        self.masks = masks
+
     def exchanges(self, q_len: int, k_len: int) -> bool:
         """An attention call over the split sequence (both sides): it must be exchanged."""
         lay = self.layout
         return lay is not None and q_len == k_len == lay.local_len(self.rank)
 
+    def gathers(self, q_len: int, k_len: int) -> bool:
+        """A call from a sequence every rank holds whole (a length in ``whole_queries``) to the split one: its keys and
+        values must be gathered from every rank."""
+        lay = self.layout
+        return lay is not None and q_len in self.whole_queries and k_len == lay.local_len(self.rank)
+
+    def keys(self, k: torch.Tensor, v: torch.Tensor, dim: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        """A gathered call's keys and values (:meth:`gathers`) over the whole split sequence, on every rank."""
+        return self.whole(k, dim), self.whole(v, dim)
+
     def attention(self, q, k, v, local, mask=None):
         """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``local`` the kernel, ``mask`` a key
-        mask or None)."""
+        mask or None), with the forward's masks over query rows (:meth:`set_masks`)."""
         self.exchanged += 1
-        return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask)
+        return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask, self.masks)

@@ -14,6 +14,9 @@ attention is computed on one device over the whole sequence, as on one GPU.
 - **A key mask** (one row for every query, e.g. a text padding mask over a joint sequence: ``[..., 1, keys]``) is
   exchanged with the keys: each rank's kernel gets the mask's columns for the whole sequence (and its share of the
   mask's heads, where it has a head dimension).  A mask that differs by query cannot be split this way.
+- **A mask over the whole sequence** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
+  side of the exchange, where each rank holds every token: the kernel runs once per range of query rows, each with
+  that range's mask, so no ``[L, L]`` mask is ever made.
 """
 
 from __future__ import annotations
@@ -45,11 +48,46 @@ class Layout:
         return Layout(prefix, self.shards, suffix)
 
 
+@dataclass(frozen=True)
+class RowMasks:
+    """An additive attention mask over the whole attention sequence of a split forward (prefix, split part, suffix;
+    queries and keys the same sequence), by ranges of query rows: ``parts`` = ``((start, stop, mask or None), ...)``,
+    covering rows ``0..L`` in order; each mask broadcasts to ``[B, 1, stop - start, L]`` (one for every head)."""
+
+    parts: tuple
+
+    def check(self, full: int) -> None:
+        """A clear error where the parts do not describe a mask over ``full`` tokens."""
+        row = 0
+        for start, stop, mask in self.parts:
+            if start != row or stop < start:
+                raise ValueError(f"mask rows {start}..{stop} do not follow rows 0..{row} (a mask over {full} tokens)")
+            row = stop
+            if mask is None:
+                continue
+            m = mask.shape
+            heads = m[-3] if len(m) >= 3 else 1
+            if len(m) < 2 or m[-1] != full or m[-2] not in (1, stop - start) or heads != 1:
+                raise ValueError(f"a mask of shape {tuple(m)} for rows {start}..{stop} of {full} tokens (expected "
+                                 f"[B, 1, {stop - start} or 1, {full}])")
+        if row != full:
+            raise ValueError(f"mask rows 0..{row} of {full} tokens")
+
+    def around(self, local):
+        """The kernel ``local(q, k, v, mask=None)`` over the whole sequence, each range of query rows with its mask."""
+
+        def masked(q, k, v):
+            outs = [local(q[:, a:b], k, v, mask=m) for a, b, m in self.parts if b > a]
+            return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
+
+        return masked
+
+
 def shard_layout(tokens: int, ranks: int, prefix: int = 0, suffix: int = 0) -> Layout:
     return Layout(prefix, tuple(split(tokens, ranks)), suffix)
 
 
-def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None):
+def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, masks: RowMasks | None = None):
     """Attention of this rank's tokens over every rank's tokens.
 
     ``q``: ``[B, L_r, H, D]``, ``k``/``v``: ``[B, L_r, Hk, D]``/``[B, L_r, Hk, Dv]`` (any strides; ``L_r`` =
@@ -58,13 +96,18 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None):
 
     ``mask``: a key mask over this rank's keys, the same for every query: ``[1, L_r]``, ``[B, 1, L_r]`` or
     ``[B, H or 1, 1, L_r]`` (ComfyUI's mask shapes with one query row).  The kernel is then called as
-    ``local(q, k, v, mask)`` with the mask over the whole sequence (``[..., 1, L]``; with a head dimension of ``H``, this
+    ``local(q, k, v, mask=...)`` with the mask over the whole sequence (``[..., 1, L]``; with a head dimension of ``H``, this
     rank's heads).
+
+    ``masks`` (:class:`RowMasks`): the kernel is called as ``local(q, k, v, mask=...)`` once per range of query rows
+    (``q`` those rows only, a view).  A key mask and row masks together are refused.
     """
     b, _, h, d = q.shape
     hk, dv = k.shape[2], v.shape[3]
     if h % hk:
         raise ValueError(f"{h} query heads do not group over {hk} key/value heads")
+    if mask is not None and masks is not None:
+        raise ValueError("a key mask and masks over query rows in one call: not supported by the exchange")
     if mask is not None and not (2 <= mask.ndim <= 4 and mask.shape[-2] == 1 and mask.shape[-1] == k.shape[1]
                                  and (mask.ndim < 4 or mask.shape[1] in (1, h))):
         raise ValueError(f"a mask of shape {tuple(mask.shape)} over a split sequence of {k.shape[1]} keys and {h} heads: "
@@ -110,7 +153,10 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None):
 
     group.exchange(rank, posted, fill_in)
     if c:
-        of = local(*bufs)
+        if mask is not None:
+            of = local(*bufs[:3], mask=bufs[3])
+        else:
+            of = (masks.around(local) if masks is not None else local)(*bufs)
     else:
         of = torch.empty(b, full, 0, dv, dtype=v.dtype, device=dev)
     bufs.clear()  # the kernel's inputs go before the output is exchanged

@@ -60,7 +60,8 @@ def test_a_key_mask_goes_with_the_keys(n, heads, kv_heads, prefix, suffix, token
 
     seen = []
 
-    def kernel(qf, kf, vf, mf):
+    def kernel(qf, kf, vf, mask=None):
+        mf = mask
         seen.append((qf.shape[2], tuple(mf.shape)))
         return whole_masked(qf, kf, vf, mf)
 

@@ -74,6 +74,8 @@
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
 #                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
+#   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
+#                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -314,6 +316,10 @@ stage_zoo() {
     --budget "$budget" --part "$part" > "$OUT/zoo-gpu-$tag.txt" 2>&1
   echo "tests/gpu/zoo.py exit status $? (part $part); every case in zoo-gpu-$tag.txt"
   grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
+}
+
+stage_cp-ltx() {
+  timeout "${CP_LIMIT:-400}" $PY tests/gpu/cp_lightricks.py --json "$OUT/cp-ltx.json" 2>&1 | grep -v "it/s\]" | tail -n 60
 }
 
 [ $# -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
