@@ -80,9 +80,12 @@ class ContextParallelAttention:
 
     def _exchanged(self, ctx, func, a, rest):
         q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
-        if a.get("mask") is not None:
-            raise ValueError(f"{NODE}: a masked attention call over the split sequence (this model's unit must keep such "
-                             "forwards on one GPU)")
+        mask = a.get("mask")
+        if mask is not None:
+            mask = _key_mask(mask, _seq_len(k, a), q.shape[0], heads)
+            if mask is None:
+                raise ValueError(f"{NODE}: an attention call over the split sequence with a mask that differs between "
+                                 "queries (this model's unit must keep such forwards on one GPU)")
         skip, skip_out = bool(a.get("skip_reshape", False)), bool(a.get("skip_output_reshape", False))
         b = q.shape[0]
         if skip:  # [B, H, L, D]
@@ -95,14 +98,16 @@ class ContextParallelAttention:
         extra = {key: val for key, val in rest.items()}
         precision = a.get("attn_precision")
 
-        def local(qf, kf, vf):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
+        def local(qf, kf, vf, mask=None):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
             bl, lf, h, dq = qf.shape
+            if mask is not None and a["mask"].ndim < 4:  # the whole sequence's key mask, as the model shaped it
+                mask = mask.view(mask.shape[0], 1, lf) if a["mask"].ndim == 3 else mask.view(1, lf)
             out = self._call_inner(func, qf.view(bl, lf, h * dq), kf.view(bl, lf, -1), vf.view(bl, lf, -1), h,
-                                   mask=None, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
+                                   mask=mask, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
                                    **extra)
             return out.reshape(bl, lf, h, -1)
 
-        o = ctx.attention(qn, kn, vn, local)  # [B, L_r, H, Dv]
+        o = ctx.attention(qn, kn, vn, local, mask)  # [B, L_r, H, Dv]
         if skip_out:
             return o.transpose(1, 2)
         return o.reshape(b, o.shape[1], -1)
@@ -110,6 +115,16 @@ class ContextParallelAttention:
 
 def _seq_len(t, a) -> int:
     return t.shape[2] if a.get("skip_reshape", False) else t.shape[1]
+
+
+def _key_mask(mask, k_len: int, batch: int, heads: int):
+    """``mask`` as ComfyUI's attention functions read it (``[Lq, Lk]``, ``[B, Lq, Lk]`` or ``[B, H, Lq, Lk]``) viewed as
+    a key mask ``[B or 1, H or 1, 1, k_len]``, or None when it is not one (a row per query)."""
+    m = mask.unsqueeze(0) if mask.ndim == 2 else mask
+    m = m.unsqueeze(1) if m.ndim == 3 else m
+    if m.ndim != 4 or m.shape[2] != 1 or m.shape[3] != k_len or m.shape[0] not in (1, batch) or m.shape[1] not in (1, heads):
+        return None
+    return m
 
 
 # ---------------------------------------------------------------- the run and its forwards

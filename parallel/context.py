@@ -138,7 +138,8 @@ class RankContext:
         lay = self.layout
         return lay is not None and q_len == k_len == lay.local_len(self.rank)
 
-    def attention(self, q, k, v, local):
-        """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``local`` the kernel)."""
+    def attention(self, q, k, v, local, mask=None):
+        """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``local`` the kernel, ``mask`` a key
+        mask ``[B or 1, H or 1, 1, L]`` or None)."""
         self.exchanged += 1
-        return ulysses(self.group, self.rank, self.layout, q, k, v, local)
+        return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask)
