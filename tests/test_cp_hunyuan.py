@@ -229,29 +229,30 @@ def test_a_split_forward_gives_the_one_device_latent(zoo, name, n):
     assert len(seen) == (exchanged // 2 if masked else 0)
 
 
-def _hunyuan_case(z, **positive_extras):
+def _hunyuan_case(z, gpu, **positive_extras):
     """The zoo's HunyuanVideo text-to-video case with ``positive_extras`` on the positive prompt only (what
     HunyuanImageToVideo's "v2 (replace)" and "custom" guidance set)."""
     import comfy.supported_models as sm
 
-    case = z.BUILDERS["HunyuanVideo"](sm.HunyuanVideo, False)
+    case = z.BUILDERS["HunyuanVideo"](sm.HunyuanVideo, gpu)
     (ctx, ex), = case.positive
     return sm.HunyuanVideo, z.with_(case, positive=[[ctx, {**ex, **positive_extras}]])
 
 
-def _v2_replace(z):
+def _v2_replace(z, gpu=False):
     """"v2 (replace)": the guiding frame's timestep modulates the first latent frame's tokens (modulation ranges over
     the image in double blocks, over text + image in single blocks)."""
-    return _hunyuan_case(z, guiding_frame_index=0)
+    return _hunyuan_case(z, gpu, guiding_frame_index=0)
 
 
-def _custom(z):
-    """"custom": the start image's latent as ``ref_latent``, its 16 tokens before the video's."""
+def _custom(z, gpu=False):
+    """"custom": the start image's latent as ``ref_latent``, one latent frame's tokens before the video's."""
     g = torch.Generator().manual_seed(3)
-    return _hunyuan_case(z, ref_latent=torch.randn(1, 16, 1, 8, 8, generator=g))
+    hw = 16 if gpu else 8
+    return _hunyuan_case(z, gpu, ref_latent=torch.randn(1, 16, 1, hw, hw, generator=g))
 
 
-def _v15_t2v(z):
+def _v15_t2v(z, gpu=False):
     """HunyuanVideo 1.5 text to video with a padded prompt and no glyph or image tokens: model_base passes the mask."""
     import comfy.supported_models as sm
     from zoo.core import Case
@@ -259,10 +260,12 @@ def _v15_t2v(z):
 
     cls = sm.HunyuanVideo15
     g = torch.Generator().manual_seed(4)
-    pos = [[torch.randn(1, 8, 32, generator=g), {"pooled_output": None, "attention_mask": _text_mask(8, 3)}]]
-    neg = [[torch.zeros(1, 8, 32), {"pooled_output": None}]]
-    return cls, Case(unet_config=_hunyuan15(False, cls), latent=(1, 32, 3, 4, 3), positive=pos, negative=neg,
-                     init_std=0.1)
+    n = 128 if gpu else 8
+    pos = [[torch.randn(1, n, 32, generator=g), {"pooled_output": None, "attention_mask": _text_mask(n, 3)}]]
+    neg = [[torch.zeros(1, n, 32), {"pooled_output": None}]]
+    latent = (1, 32, 3, 8, 8) if gpu else (1, 32, 3, 4, 3)
+    return cls, Case(unet_config=_hunyuan15(gpu, cls), latent=latent, positive=pos, negative=neg,
+                     init_std=0.05 if gpu else 0.1)
 
 
 VARIANTS = {"v2 (replace)": _v2_replace, "custom": _custom, "1.5 text to video": _v15_t2v}

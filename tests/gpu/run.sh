@@ -68,6 +68,9 @@
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
 #                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
+#   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
+#                  at GPU sizes in bf16, split (2 and 4 ranks on the first GPU; every GPU of the machine) against one
+#                  GPU; CP_BACKENDS=a,b adds Patch Attention's backends as the local kernel
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -291,7 +294,14 @@ stage_zoo() {
   grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
 }
 
-[ $# -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
+stage_cp-hunyuan() {
+  timeout 560 $PY tests/gpu/cp_hunyuan.py --json "$OUT/cp-hunyuan.json" --backends "${CP_BACKENDS:-}" \
+    > "$OUT/cp-hunyuan.txt" 2>&1
+  echo "tests/gpu/cp_hunyuan.py exit status $?"
+  grep -E "^cp |FAIL|CRASH|Traceback|Error" "$OUT/cp-hunyuan.txt" | tail -n 80
+}
+
+[ $# -gt 0 ] || { sed -n '2,73p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
