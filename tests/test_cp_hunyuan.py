@@ -288,6 +288,19 @@ def test_guidance_variants_split_to_the_one_device_latent(zoo, variant, n):
 
 
 @pytest.mark.comfyui
+@pytest.mark.parametrize("depths", [(0, 2), (2, 0)], ids=["single-blocks-only", "double-blocks-only"])
+@pytest.mark.parametrize("n", [2, 3])
+def test_a_model_with_one_kind_of_block_splits_and_gathers_at_its_own_ends(zoo, depths, n):
+    """The split starts at the first block and gathers at the last whatever their kind: single blocks alone (the text
+    and image already one sequence at the start) or double blocks alone (the image gathered without the text)."""
+    z, mod, mappings = zoo
+    cls, case = _case(z, "HunyuanVideo")
+    case = z.with_(case, unet_config={**case.unet_config, "depth": depths[0], "depth_single_blocks": depths[1]})
+    assert _blocks(z, cls, case) == 2
+    assert check_split(zoo, "HunyuanVideo", n, case=case) == n * 2 * 2 * case.steps
+
+
+@pytest.mark.comfyui
 def test_the_padded_prompt_mask_matters(zoo):
     """The split's check means something: the same sampling with the positive's mask dropped moves the latent far
     beyond the tolerance the split is held to."""
