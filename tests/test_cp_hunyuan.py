@@ -82,7 +82,7 @@ def test_ulysses_refuses_a_mask_that_is_not_a_key_mask():
     group = G.Group(["cpu"])
     lay = U.shard_layout(6, 1)
     x = torch.randn(1, 6, 2, 4)
-    with pytest.raises(ValueError, match=r"a key mask over 6 tokens and 2 heads is \[B, 1 or 2, 1, 6\], not \[1, 1, 6, 6\]"):
+    with pytest.raises(ValueError, match="key mask"):
         U.ulysses(group, 0, lay, x, x, x, masked_whole, mask=torch.zeros(1, 1, 6, 6))
 
 
@@ -144,8 +144,7 @@ def test_a_mask_over_the_queries_of_the_split_sequence_is_refused():
     ctx = C.RankContext(group, 0, None)
     assert ctx.start(10, prefix=4)
     x = torch.randn(1, 9, 8)
-    with pytest.raises(ValueError, match="Context Parallel: an attention call over the split sequence with a mask that "
-                                         "differs between queries"):
+    with pytest.raises(ValueError, match="Context Parallel: an attention call over the split sequence with a mask"):
         CPN.ContextParallelAttention()(comfy_attention, x, x, x, 2, mask=torch.zeros(1, 9, 9),
                                         transformer_options={C.CP_KEY: ctx})
 
