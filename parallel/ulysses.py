@@ -9,7 +9,8 @@ attention is computed on one device over the whole sequence, as on one GPU.
   one head of imbalance; with more ranks than heads some ranks hold none.  Grouped-query calls (fewer K/V heads) are
   split by K/V head, each rank taking the query heads of its K/V heads.
 - **Tokens every rank holds whole** (a joint text+image sequence where the text is not split: Flux puts it first, the
-  *prefix*, HunyuanVideo last, the *suffix*) take part in the attention once, from the receiving rank's own copy; their
+  *prefix*, as do HunyuanVideo and Qwen-Image; a model may put it last, the *suffix*) take part in the attention
+  once, from the receiving rank's own copy; their
   output rows are gathered over heads.
 - **A key mask** (one row for every query, e.g. a text padding mask over a joint sequence: ``[..., 1, keys]``) is
   exchanged with the keys: each rank's kernel gets the mask's columns for the whole sequence (and its share of the

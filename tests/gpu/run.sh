@@ -76,6 +76,9 @@
 #                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
 #                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
+#   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
+#                  at GPU sizes in bf16, split (2 and 4 ranks on the first GPU; every GPU of the machine) against one
+#                  GPU; CP_BACKENDS=a,b adds Patch Attention's backends as the local kernel
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -322,7 +325,14 @@ stage_cp-ltx() {
   timeout "${CP_LIMIT:-400}" $PY tests/gpu/cp_lightricks.py --json "$OUT/cp-ltx.json" 2>&1 | grep -v "it/s\]" | tail -n 60
 }
 
-[ $# -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
+stage_cp-hunyuan() {
+  timeout 560 $PY tests/gpu/cp_hunyuan.py --json "$OUT/cp-hunyuan.json" --backends "${CP_BACKENDS:-}" \
+    > "$OUT/cp-hunyuan.txt" 2>&1
+  echo "tests/gpu/cp_hunyuan.py exit status $?"
+  grep -E "^cp |FAIL|CRASH|Traceback|Error" "$OUT/cp-hunyuan.txt" | tail -n 80
+}
+
+[ $# -gt 0 ] || { sed -n '2,85p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
