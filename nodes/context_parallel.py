@@ -80,9 +80,7 @@ class ContextParallelAttention:
 
     def _exchanged(self, ctx, func, a, rest):
         q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
-        if a.get("mask") is not None:
-            raise ValueError(f"{NODE}: a masked attention call over the split sequence (this model's unit must keep such "
-                             "forwards on one GPU)")
+        mask = a.get("mask")  # over the whole sequence (the model's own), or ulysses refuses it
         skip, skip_out = bool(a.get("skip_reshape", False)), bool(a.get("skip_output_reshape", False))
         b = q.shape[0]
         if skip:  # [B, H, L, D]
@@ -95,14 +93,14 @@ class ContextParallelAttention:
         extra = {key: val for key, val in rest.items()}
         precision = a.get("attn_precision")
 
-        def local(qf, kf, vf):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
+        def local(qf, kf, vf, m=None):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
             bl, lf, h, dq = qf.shape
             out = self._call_inner(func, qf.view(bl, lf, h * dq), kf.view(bl, lf, -1), vf.view(bl, lf, -1), h,
-                                   mask=None, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
+                                   mask=m, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
                                    **extra)
             return out.reshape(bl, lf, h, -1)
 
-        o = ctx.attention(qn, kn, vn, local)  # [B, L_r, H, Dv]
+        o = ctx.attention(qn, kn, vn, local, mask)  # [B, L_r, H, Dv]
         if skip_out:
             return o.transpose(1, 2)
         return o.reshape(b, o.shape[1], -1)

@@ -76,6 +76,20 @@ class RankContext:
         """(start, count) of ``rank``'s shard (this rank's by default) within the split part."""
         return self.layout.shards[self.rank if rank is None else rank]
 
+    def resplit(self, tokens: int, prefix: int = 0, suffix: int = 0) -> None:
+        """From here on the blocks carry another sequence: an even split of ``tokens`` beside ``prefix``/``suffix``
+        tokens held whole (a model that joins its streams between stages, e.g. Flux's text and image tokens: the unit
+        gathers the first stage's tokens, then splits the joined ones).  In a forward that splits; the ``others`` given
+        to :meth:`start` must hold for this layout too."""
+        if not self.split:
+            raise RuntimeError("resplit in a forward that does not split")
+        layout = Layout(prefix, tuple(split(tokens, self.size)), suffix)
+        clash = sorted({layout.local_len(r) for r in range(self.size)} & self.others)
+        if clash:
+            raise ValueError(f"a GPU's share ({clash[0]} tokens) after the resplit is as long as another attention "
+                             "sequence of the forward")
+        self.layout = layout
+
     def set_ends(self, prefix: int, suffix: int = 0) -> None:
         """The tokens every rank keeps whole around the split part of the attention sequence, from here on (a model
         whose stages join text and image differently)."""
@@ -138,7 +152,8 @@ class RankContext:
         lay = self.layout
         return lay is not None and q_len == k_len == lay.local_len(self.rank)
 
-    def attention(self, q, k, v, local):
-        """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``local`` the kernel)."""
+    def attention(self, q, k, v, local, mask=None):
+        """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``local`` the kernel, ``mask`` None or
+        over the whole sequence)."""
         self.exchanged += 1
-        return ulysses(self.group, self.rank, self.layout, q, k, v, local)
+        return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask)

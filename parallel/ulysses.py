@@ -11,6 +11,8 @@ attention is computed on one device over the whole sequence, as on one GPU.
 - **Tokens every rank holds whole** (a joint text+image sequence where the text is not split: Flux puts it first, the
   *prefix*, HunyuanVideo last, the *suffix*) take part in the attention once, from the receiving rank's own copy; their
   output rows are gathered over heads.
+- **A mask** made by the model for the whole sequence (Flux's Redux attention bias) applies as it is: each rank's kernel
+  sees the whole sequence in its one-GPU order; a mask per head is cut to the rank's heads.
 """
 
 from __future__ import annotations
@@ -46,12 +48,14 @@ def shard_layout(tokens: int, ranks: int, prefix: int = 0, suffix: int = 0) -> L
     return Layout(prefix, tuple(split(tokens, ranks)), suffix)
 
 
-def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
+def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None):
     """Attention of this rank's tokens over every rank's tokens.
 
     ``q``: ``[B, L_r, H, D]``, ``k``/``v``: ``[B, L_r, Hk, D]``/``[B, L_r, Hk, Dv]`` (any strides; ``L_r`` =
     ``layout.local_len(rank)``).  ``local(q, k, v)`` is the kernel: it gets ``[B, L, h, D]`` tensors (contiguous, ``L``
     the whole sequence, ``h`` this rank's heads) and returns ``[B, L, h, Dv]`` (any strides).  Returns ``[B, L_r, H, Dv]``.
+    ``mask``: None, or a mask over the whole sequence (see :func:`rank_mask`); the kernel is then called
+    ``local(q, k, v, mask)`` with this rank's part of it.
     """
     b, _, h, d = q.shape
     hk, dv = k.shape[2], v.shape[3]
@@ -61,6 +65,8 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
     kv_heads = split(hk, group.size)
     full, p, sfx = layout.full_len, layout.prefix, layout.suffix
     a, c = kv_heads[rank]
+    if mask is not None:  # checked on every rank before the exchange
+        mask = rank_mask(mask, full, h, g * a, g * c)
     dev = q.device
     bufs = [torch.empty(b, full, g * c, d, dtype=q.dtype, device=dev), torch.empty(b, full, c, d, dtype=k.dtype, device=dev),
             torch.empty(b, full, c, dv, dtype=v.dtype, device=dev)]
@@ -85,7 +91,7 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
 
     group.exchange(rank, (q, k, v), fill_in)
     if c:
-        of = local(*bufs)
+        of = local(*bufs) if mask is None else local(*bufs, mask)
     else:
         of = torch.empty(b, full, 0, dv, dtype=v.dtype, device=dev)
     bufs.clear()  # the kernel's inputs go before the output is exchanged
@@ -105,6 +111,24 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local):
 
     group.exchange(rank, (of,), fill_out)
     return out
+
+
+def rank_mask(mask, full: int, heads: int, start: int, count: int):
+    """The part of ``mask`` for the kernel of the rank holding query heads ``start`` to ``start + count``.
+
+    ``mask`` is what the model made for the whole sequence of ``full`` tokens, in ComfyUI's shapes (``[Lq, Lk]``,
+    ``[B, Lq, Lk]``, ``[B, 1 or H, Lq, Lk]``; keys: the whole sequence; queries: the whole sequence, or 1 to broadcast):
+    every rank's kernel runs over the whole sequence in its one-GPU order, so the mask applies as it is, a mask per head
+    cut to the rank's heads.  Anything else (a mask made for one rank's share) raises."""
+    shape = list(mask.shape)
+    if not 2 <= mask.ndim <= 4 or shape[-1] != full or shape[-2] not in (1, full):
+        raise ValueError(f"an attention mask of shape {shape} in a call over a split sequence of {full} tokens: a mask "
+                         f"must cover the whole sequence ({full} keys; {full} or 1 queries)")
+    if mask.ndim == 4 and shape[1] != 1:
+        if shape[1] != heads:
+            raise ValueError(f"an attention mask of shape {shape} for {heads} heads")
+        return mask.narrow(1, start, count)
+    return mask
 
 
 def _ends(prefix: int, suffix: int, full: int, local: int):
