@@ -68,6 +68,9 @@
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
 #                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
+#   cp-flux        context parallelism for Flux.1/Flux.2 on every GPU of the machine (tests/gpu/cp_flux.py): the zoo's Flux
+#                  configurations split over 2 and all GPUs against one GPU, and a Flux-dev-shaped model's time per step
+#                  (CP_GPUS=2,4 picks the counts, CP_DEPTH its double blocks)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -291,7 +294,14 @@ stage_zoo() {
   grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
 }
 
-[ $# -gt 0 ] || { sed -n '2,70p' "$0"; exit 2; }
+stage_cp-flux() {
+  timeout 560 $PY tests/gpu/cp_flux.py --json "$OUT/cp-flux.json" --md "$OUT/cp-flux.md" --gpus "${CP_GPUS:-}" \
+    --depth "${CP_DEPTH:-4}" > "$OUT/cp-flux.txt" 2>&1
+  echo "tests/gpu/cp_flux.py exit status $?"
+  tail -n 40 "$OUT/cp-flux.txt"
+}
+
+[ $# -gt 0 ] || { sed -n '2,73p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
