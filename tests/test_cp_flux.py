@@ -194,6 +194,17 @@ def test_a_split_flux_forward_gives_the_one_device_latent(zoo, name, n):
 
 
 @pytest.mark.comfyui
+@pytest.mark.parametrize("depth,single", [(0, 2), (2, 0), (2, 3)])
+def test_a_split_flux_with_either_stage_alone_or_several_blocks_of_each(zoo, depth, single):
+    """The decision taken at the first single block when there is no double block; the gather at the last double block
+    when there is no single block; blocks between the first and the last."""
+    z, mod, mappings = zoo
+    _, case = _case(z, "Flux")
+    case = z.with_(case, unet_config={**case.unet_config, "depth": depth, "depth_single_blocks": single})
+    assert check_split(zoo, "Flux", 3, case=case) == 3 * (depth + single) * case.steps
+
+
+@pytest.mark.comfyui
 @pytest.mark.parametrize("name", ["Flux", "FluxSchnell"])
 @pytest.mark.parametrize("order", ["patch-then-split", "split-then-patch"])
 def test_patch_attention_is_the_local_kernel_of_a_split_flux(zoo, order, name):

@@ -8,10 +8,11 @@ frequencies ``pe`` ``[B, 1, T + L, ...]`` over the text's then the image's posit
 - **Double-stream blocks** (``("double_block", i)``; the patch sees ``img``, ``txt``, ``vec``, ``pe``, ``attn_mask``):
   text and image have their own weights and attend together over ``cat(txt, img)``.  Every GPU keeps the text whole (the
   attention's prefix) and its share of the image tokens, reference tokens included (they cost what image tokens cost):
-  ``img`` and the image part of ``pe`` are sharded.  The last double block gathers the image tokens.
-- **Single-stream blocks** (``("single_block", i)``; ``img`` is the joined ``cat(txt, img)``): the joined sequence is
-  split evenly, text included, so no GPU repeats the text's work in these blocks; ``img`` and ``pe`` sharded.  The last
-  block gathers, and the model's head and unpatchify see the whole sequence.
+  ``img`` and the image part of ``pe`` are sharded.
+- **Single-stream blocks** (``("single_block", i)``; ``img`` is the joined ``cat(txt, img)``, on each GPU the text and
+  its image tokens): the first gathers the image tokens and splits the joined sequence evenly, text included, so no GPU
+  repeats the text's work in these blocks; ``img`` and ``pe`` sharded.  The last block gathers, and the model's head and
+  unpatchify see the whole sequence.
 
 ``vec`` (the modulation) is one vector per sample, Flux.2's global modulation too, and passes whole.  An attention mask
 (Redux's attention bias) covers the joined sequence in its one-GPU order, the order every GPU's kernel sees under the
@@ -35,7 +36,6 @@ class FluxUnit(Unit):
 
     def block(self, key, args, inner, ctx):
         kind, i = key
-        topts = args["transformer_options"]
         img, pe = args["img"], args["pe"]
         a = dict(args)
         if kind == "double_block":
@@ -49,7 +49,7 @@ class FluxUnit(Unit):
             if pe is not None:
                 a["pe"] = ctx.shard(pe, 2)
             out = inner(a)
-            if i == topts["total_blocks"] - 1:  # the last double block: the image tokens whole again
+            if key == ctx.last_key:  # no single blocks
                 out = {**out, "img": ctx.gather(out["img"], 1, ends=False)}
             return out
         if i == 0:
@@ -57,6 +57,9 @@ class FluxUnit(Unit):
                 ctx.start(img.shape[1], why_not=self.why_not(args, img.shape[1]))
             if not ctx.split:
                 return inner(args)
+            lay = ctx.layout
+            if lay is not None and img.shape[1] == lay.local_len(ctx.rank):
+                img = ctx.gather(img)  # the text (whole) and this GPU's image tokens: all image tokens
             ctx.resplit(img.shape[1])
             a["img"] = ctx.shard(img, 1).contiguous()
         elif not ctx.split:
