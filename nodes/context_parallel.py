@@ -29,6 +29,7 @@ import torch
 from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device
+from ..parallel.ulysses import mask_problem
 from .hook import OVERRIDE_KEY, BoundWrapper, bind, host_function, take
 
 log = logging.getLogger("patch_attention.parallel")
@@ -85,10 +86,10 @@ class ContextParallelAttention:
     def _exchanged(self, ctx, func, a, rest):
         q, k, v, heads = a["q"], a["k"], a["v"], a["heads"]
         mask = own_mask = a.get("mask")
-        if mask is not None and not (mask.ndim >= 2 and mask.shape[-2] == 1):
-            raise ValueError(f"{NODE}: an attention call over the split sequence with a mask of shape {tuple(mask.shape)} "
-                             "(only a key mask, one row for every query, can be split: this model's unit must keep such "
-                             "forwards on one GPU)")
+        if mask is not None:
+            why = mask_problem(mask, _seq_len(k, a), ctx.layout.full_len, heads)
+            if why:
+                raise ValueError(f"{NODE}: {why} (this model's unit must keep such forwards on one GPU)")
         skip, skip_out = bool(a.get("skip_reshape", False)), bool(a.get("skip_output_reshape", False))
         b = q.shape[0]
         if skip:  # [B, H, L, D]

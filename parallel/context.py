@@ -95,6 +95,20 @@ class RankContext:
         """The layout :meth:`start` decided, again (after :meth:`pause` or :meth:`gather`)."""
         self.layout = self._layout
 
+    def resplit(self, tokens: int, prefix: int = 0, suffix: int = 0) -> None:
+        """From here on the blocks carry another sequence: an even split of ``tokens`` beside ``prefix``/``suffix``
+        tokens held whole (a model that joins its streams between stages, e.g. Flux's text and image tokens: the unit
+        gathers the first stage's tokens, then splits the joined ones).  In a forward that splits; the ``others`` given
+        to :meth:`start` must hold for this layout too."""
+        if not self.split:
+            raise RuntimeError("resplit in a forward that does not split")
+        layout = Layout(prefix, tuple(split(tokens, self.size)), suffix)
+        clash = sorted({layout.local_len(r) for r in range(self.size)} & self.others)
+        if clash:
+            raise ValueError(f"a GPU's share ({clash[0]} tokens) after the resplit is as long as another attention "
+                             "sequence of the forward")
+        self.layout = layout
+
     def set_ends(self, prefix: int, suffix: int = 0) -> None:
         """The tokens every rank keeps whole around the split part of the attention sequence, from here on (a model
         whose stages join text and image differently)."""

@@ -15,7 +15,9 @@ attention is computed on one device over the whole sequence, as on one GPU.
 - **A key mask** (one row for every query, e.g. a text padding mask over a joint sequence: ``[..., 1, keys]``) is
   exchanged with the keys: each rank's kernel gets the mask's columns for the whole sequence (and its share of the
   mask's heads, where it has a head dimension).  A mask that differs by query cannot be split this way.
-- **A mask over the whole sequence** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
+- **A mask the model made for the whole sequence** (Flux's Redux attention bias: ``[..., L or 1, L]``) applies as it
+  is: each rank's kernel sees the whole sequence in its one-GPU order; a mask per head is cut to the rank's heads.
+- **Masks over ranges of query rows** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
   side of the exchange, where each rank holds every token: the kernel runs once per range of query rows, each with
   that range's mask, so no ``[L, L]`` mask is ever made.
 """
@@ -100,6 +102,9 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     ``local(q, k, v, mask=...)`` with the mask over the whole sequence (``[..., 1, L]``; with a head dimension of ``H``, this
     rank's heads).
 
+    A ``mask`` whose keys are the whole sequence instead (``[..., L or 1, L]``, :func:`rank_mask`) is not exchanged: the
+    kernel gets it as it is (its heads cut to this rank's).
+
     ``masks`` (:class:`RowMasks`): the kernel is called as ``local(q, k, v, mask=...)`` once per range of query rows
     (``q`` those rows only, a view).  A key mask and row masks together are refused.
     """
@@ -109,10 +114,14 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
         raise ValueError(f"{h} query heads do not group over {hk} key/value heads")
     if mask is not None and masks is not None:
         raise ValueError("a key mask and masks over query rows in one call: not supported by the exchange")
-    if mask is not None and not (2 <= mask.ndim <= 4 and mask.shape[-2] == 1 and mask.shape[-1] == k.shape[1]
-                                 and (mask.ndim < 4 or mask.shape[1] in (1, h))):
-        raise ValueError(f"a mask of shape {tuple(mask.shape)} over a split sequence of {k.shape[1]} keys and {h} heads: "
-                         "only a key mask (one row for every query) can be split")
+    why = mask_problem(mask, k.shape[1], layout.full_len, h) if mask is not None else None
+    if why:
+        raise ValueError(why)
+    whole_mask = None
+    if mask is not None and mask.shape[-1] == layout.full_len and (layout.full_len != k.shape[1] or mask.shape[-2] != 1):
+        # made for the whole sequence (with one query row and one rank the two kinds are the same)
+        kv0, kvc = split(hk, group.size)[rank]
+        whole_mask, mask = rank_mask(mask, layout.full_len, h, (h // hk) * kv0, (h // hk) * kvc), None
     g = h // hk
     kv_heads = split(hk, group.size)
     full, p, sfx = layout.full_len, layout.prefix, layout.suffix
@@ -156,6 +165,8 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     if c:
         if mask is not None:
             of = local(*bufs[:3], mask=bufs[3])
+        elif whole_mask is not None:
+            of = local(*bufs, mask=whole_mask)
         else:
             of = (masks.around(local) if masks is not None else local)(*bufs)
     else:
@@ -177,6 +188,39 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
 
     group.exchange(rank, (of,), fill_out)
     return out
+
+
+def mask_problem(mask, local_keys: int, full: int, heads: int) -> str | None:
+    """Why ``mask`` cannot go through the exchange (None: it can): a key mask over this rank's keys
+    (``[..., 1, local_keys]``) or a mask the model made for the whole sequence (``[..., full or 1, full]``), each with no
+    head dimension or one per query head."""
+    shape = tuple(mask.shape)
+    keys_ok = shape[-1:] == (local_keys,) and shape[-2:-1] == (1,)
+    whole_ok = shape[-1:] == (full,) and shape[-2:-1] in ((1,), (full,))
+    if 2 <= mask.ndim <= 4 and (keys_ok or whole_ok) and (mask.ndim < 4 or shape[1] in (1, heads)):
+        return None
+    return (f"a mask of shape {shape} in an attention call over a split sequence ({local_keys} keys on this GPU, {full} "
+            f"in all, {heads} heads): only a key mask [..., 1, {local_keys}] or a mask over the whole sequence "
+            f"[..., {full} or 1, {full}] can be split")
+
+
+def rank_mask(mask, full: int, heads: int, start: int, count: int):
+    """The part of ``mask`` for the kernel of the rank holding query heads ``start`` to ``start + count``.
+
+    ``mask`` is what the model made for the whole sequence of ``full`` tokens, in ComfyUI's shapes (``[Lq, Lk]``,
+    ``[B, Lq, Lk]``, ``[B, 1 or H, Lq, Lk]``; keys: the whole sequence; queries: the whole sequence, or 1 to broadcast):
+    every rank's kernel runs over the whole sequence in its one-GPU order, so the mask applies as it is, a mask per head
+    cut to the rank's heads.  Anything else (a mask made for one rank's share) raises."""
+    shape = list(mask.shape)
+    if not 2 <= mask.ndim <= 4 or shape[-1] != full or shape[-2] not in (1, full):
+        raise ValueError(f"an attention mask of shape {shape} in a call over a split sequence of {full} tokens: a mask "
+                         f"must cover the whole sequence ({full} keys; {full} or 1 queries)")
+    if mask.ndim == 4 and shape[1] != 1:
+        if shape[1] != heads:
+            raise ValueError(f"an attention mask of shape {shape} for {heads} heads")
+        return mask.narrow(1, start, count)
+    return mask
+
 
 
 def _ends(prefix: int, suffix: int, full: int, local: int):

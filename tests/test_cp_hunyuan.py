@@ -79,8 +79,9 @@ def test_ulysses_carries_a_key_mask(n, heads, kv_heads, prefix, suffix, tokens, 
 
 
 def test_ulysses_refuses_a_mask_that_is_not_a_key_mask():
-    group = G.Group(["cpu"])
-    lay = U.shard_layout(6, 1)
+    """One rank of two (6 of 12 tokens): a mask with a row per query of its own share cannot be split."""
+    group = G.Group(["cpu", "cpu"])
+    lay = U.shard_layout(12, 2)
     x = torch.randn(1, 6, 2, 4)
     with pytest.raises(ValueError, match="key mask"):
         U.ulysses(group, 0, lay, x, x, x, masked_whole, mask=torch.zeros(1, 1, 6, 6))
@@ -144,7 +145,7 @@ def test_a_mask_over_the_queries_of_the_split_sequence_is_refused():
     ctx = C.RankContext(group, 0, None)
     assert ctx.start(10, prefix=4)
     x = torch.randn(1, 9, 8)
-    with pytest.raises(ValueError, match="Context Parallel: an attention call over the split sequence with a mask"):
+    with pytest.raises(ValueError, match=r"^Context Parallel: a mask of shape .* in an attention call over a split sequence"):
         CPN.ContextParallelAttention()(comfy_attention, x, x, x, 2, mask=torch.zeros(1, 9, 9),
                                         transformer_options={C.CP_KEY: ctx})
 

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import C, G, U, _case, _split, check_split, rel_l1, run_ranks, whole
+from test_context_parallel import C, G, U, _case, _split, check_split, rel_l1, run_ranks
 
 F = torch.nn.functional
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI, the zoo and the pack
@@ -78,17 +78,19 @@ def test_a_key_mask_goes_with_the_keys(n, heads, kv_heads, prefix, suffix, token
 
 
 def test_a_mask_that_differs_by_query_is_refused_with_its_shape():
-    group = G.Group(["cpu"])
-    lay = U.shard_layout(6, 1, 2)
-    x = torch.randn(1, 8, 2, 4)
-    with pytest.raises(ValueError, match=r"a mask of shape \(1, 8, 8\) over a split sequence of 8 keys and 2 heads: only "
-                                         r"a key mask \(one row for every query\) can be split"):
-        U.ulysses(group, 0, lay, x, x, x, whole, torch.zeros(1, 8, 8))
+    """A rank holding 8 of 16 tokens: a mask with a row per query of its own share is neither a key mask nor the
+    model's mask over the whole sequence."""
+    assert U.mask_problem(torch.zeros(1, 8, 8), 8, 16, 2) == (
+        "a mask of shape (1, 8, 8) in an attention call over a split sequence (8 keys on this GPU, 16 in all, 2 heads): "
+        "only a key mask [..., 1, 8] or a mask over the whole sequence [..., 16 or 1, 16] can be split")
+    assert U.mask_problem(torch.zeros(1, 1, 8), 8, 16, 2) is None
+    assert U.mask_problem(torch.zeros(1, 16, 16), 8, 16, 2) is None
+    assert U.mask_problem(torch.zeros(1, 3, 1, 8), 8, 16, 2) is not None  # 3 heads of a mask for 2
 
 
-def test_the_hook_passes_a_key_mask_on_and_refuses_one_that_differs_by_query():
+def test_the_hook_passes_a_key_mask_on_and_refuses_one_over_other_keys():
     """Through the Context Parallel attention hook (one rank, its shard the whole sequence): a ``[B, 1, L]`` key mask
-    reaches the kernel as ComfyUI's function would get it; a ``[B, L, L]`` mask is refused with its shape."""
+    reaches the kernel as ComfyUI's function would get it; a mask over other keys is refused with its shape."""
     cp = importlib.import_module(test_context_parallel.P.__name__ + ".nodes.context_parallel")
     ctx = C.RankContext(G.Group(["cpu"]), 0, None)
     assert ctx.start(6, prefix=2)
@@ -107,9 +109,9 @@ def test_the_hook_passes_a_key_mask_on_and_refuses_one_that_differs_by_query():
     out = hook(func, q, k, v, 2, mask=mask, transformer_options=topts)
     assert ctx.exchanged == 1 and got[0].shape == (1, 1, 8)
     assert torch.allclose(out, whole_masked(*(t.view(1, 8, 2, 4) for t in (q, k, v)), mask).reshape(1, 8, -1))
-    with pytest.raises(ValueError, match=r"Context Parallel: an attention call over the split sequence with a mask of "
-                                         r"shape \(1, 8, 8\) \(only a key mask"):
-        hook(func, q, k, v, 2, mask=torch.zeros(1, 8, 8), transformer_options=topts)
+    with pytest.raises(ValueError, match=r"^Context Parallel: a mask of shape \(1, 8, 5\) in an attention call over "
+                                         r"a split sequence \(8 keys on this GPU, 8 in all, 2 heads\): only a key mask"):
+        hook(func, q, k, v, 2, mask=torch.zeros(1, 8, 5), transformer_options=topts)
 
 
 # ---------------------------------------------------------------- Qwen-Image and Mage-Flow models

@@ -79,6 +79,9 @@
 #   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
 #                  at GPU sizes in bf16, split (2 and 4 ranks on the first GPU; every GPU of the machine) against one
 #                  GPU; CP_BACKENDS=a,b adds Patch Attention's backends as the local kernel
+#   cp-flux        context parallelism for Flux.1/Flux.2 on every GPU of the machine (tests/gpu/cp_flux.py): the zoo's Flux
+#                  configurations split over 2 and all GPUs against one GPU, and a Flux-dev-shaped model's time per step
+#                  (CP_GPUS=2,4 picks the counts, CP_DEPTH its double blocks)
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -332,7 +335,14 @@ stage_cp-hunyuan() {
   grep -E "^cp |FAIL|CRASH|Traceback|Error" "$OUT/cp-hunyuan.txt" | tail -n 80
 }
 
-[ $# -gt 0 ] || { sed -n '2,85p' "$0"; exit 2; }
+stage_cp-flux() {
+  timeout 560 $PY tests/gpu/cp_flux.py --json "$OUT/cp-flux.json" --md "$OUT/cp-flux.md" --gpus "${CP_GPUS:-}" \
+    --depth "${CP_DEPTH:-4}" > "$OUT/cp-flux.txt" 2>&1
+  echo "tests/gpu/cp_flux.py exit status $?"
+  tail -n 40 "$OUT/cp-flux.txt"
+}
+
+[ $# -gt 0 ] || { sed -n '2,88p' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
