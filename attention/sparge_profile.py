@@ -94,7 +94,7 @@ class SpargeProfile:
     @classmethod
     def from_json(cls, d: dict) -> SpargeProfile:
         if d.get("format") != FORMAT:
-            raise ValueError(f"not a SpargeAttn profile (format {d.get('format')!r}, expected {FORMAT!r})")
+            raise ValueError(f"not a sparse-attention profile (format {d.get('format')!r}, expected {FORMAT!r})")
         return cls(
             variant=d.get("variant", "sparge"),
             model_fingerprint=d.get("model", {}).get("fingerprint", ""),
@@ -111,14 +111,14 @@ class SpargeProfile:
             with open(path) as f:
                 return cls.from_json(json.load(f))
         except FileNotFoundError:
-            raise FileNotFoundError(f"SpargeAttn profile not found: {path}") from None
+            raise FileNotFoundError(f"sparse-attention profile not found: {path}") from None
         except json.JSONDecodeError as e:
-            raise ValueError(f"SpargeAttn profile {path} is not valid JSON: {e}") from None
+            raise ValueError(f"sparse-attention profile {path} is not valid JSON: {e}") from None
 
     def check_model(self, fingerprint: str, model_class: str = "") -> None:
         if self.model_fingerprint and fingerprint and self.model_fingerprint != fingerprint:
             raise ProfileMismatchError(
-                f"this SpargeAttn profile was tuned for another model ({self.model_class or '?'} "
+                f"this sparse-attention profile was tuned for another model ({self.model_class or '?'} "
                 f"{self.model_fingerprint}); this model is {model_class or '?'} {fingerprint}. "
                 "Tune a profile for this model or leave the profile input empty."
             )

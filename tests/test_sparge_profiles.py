@@ -32,7 +32,7 @@ def test_profile_errors(tmp_path):
     with pytest.raises(ValueError, match="not valid JSON"):
         SpargeProfile.load(str(bad))
     bad.write_text(json.dumps({"format": "other"}))
-    with pytest.raises(ValueError, match="not a SpargeAttn profile"):
+    with pytest.raises(ValueError, match="not a sparse-attention profile"):
         SpargeProfile.load(str(bad))
     with pytest.raises(ValueError, match="cdfthreshd=1.5 out of range"):
         SpargeProfile(layers={0: {"cdfthreshd": 1.5}})
