@@ -373,9 +373,9 @@ TUNE_NOTE = (
     "Sparse attention tuned per layer, in two runs. 1. Queue as it is: Tune Sparse Attention samples dense, finds "
     "each layer's sparsest SpargeAttn thresholds within the error budget and writes them to "
     "models/sparge_profiles.\n"
-    + inputs_note("TuneSpargeAttn", TUNE_WIDGETS) + "\n\nSpargeAttn is installed on Linux only (install.py builds it there). Without it, set variant to "
-    "kitchen_sol and use a Sol-Attn Settings node instead of SpargeAttn Settings (it needs comfy-kitchen 0.2.40 or "
-    "later), or sample with backend = auto."
+    + inputs_note("TuneSpargeAttn", TUNE_WIDGETS) + "\n\nSpargeAttn is installed on Linux only (install.py builds it "
+    "there; Windows has none). Without it, set variant to kitchen_sol and use a Sol-Attn Settings node instead of "
+    "SpargeAttn Settings (it needs comfy-kitchen 0.2.40 or later), or sample with backend = auto."
 )
 SAMPLE_NOTE = (
     "2. After run 1: click this group's title and press Ctrl+M to un-mute it, mute group 1 the same way, and queue "
@@ -650,7 +650,7 @@ def report_picture(shots: str, out: str = os.path.join(ROOT, "docs", "report-on-
     from PIL import Image
 
     shot = Image.open(os.path.join(shots, "report-on-canvas.png")).convert("RGB")
-    shot = shot.crop((92, 60, min(shot.width, 1560), min(shot.height, 670)))
+    shot = shot.crop((90, 100, min(shot.width, 1562), min(shot.height, 722)))  # the two nodes, below the top bar
     shot.save(out, optimize=True)
     print("wrote", os.path.relpath(out, ROOT), shot.size)
 
