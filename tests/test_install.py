@@ -101,14 +101,28 @@ def test_no_toolkit_falls_back_to_sage_triton_wheel():
     assert "no CUDA toolkit" in reason
 
 
-def test_nvcc_torch_cuda_mismatch_is_refused():
-    steps = inst.plan(machine(nvcc=(12, 8), cuda="13.0"))
-    assert "does not match torch's CUDA 13.0" in next(s.reason for s in steps if s.kernel == "sageattention")
+def test_nvcc_torch_cuda_mismatch_is_refused_before_any_build_with_the_fix_in_one_line(capsys):
+    m = machine(nvcc=(12, 8), cuda="13.0")
+    steps = inst.plan(m)
+    assert not any(s.action == "build" for s in steps)  # nothing is built against the wrong toolkit
+    reason = next(s.reason for s in steps if s.kernel == "sageattention")
+    assert reason.startswith("nvcc 12.8 (found /usr/local/cuda/bin/nvcc) does not match torch's CUDA 13.0")
+    assert "fix: install the CUDA toolkit 13.x (torch's CUDA is 13.0) and point CUDA_HOME at it" in reason
+    assert next(s.reason for s in steps if s.kernel == "spas_sage_attn") == reason
+    plan = inst.render_plan(m, steps)
+    line = next(x for x in plan.splitlines() if x.strip().startswith("sageattention "))
+    assert "does not match" in line and "fix: install the CUDA toolkit 13.x" in line  # the problem and its fix: one line
 
 
-def test_nvcc_too_old_for_the_arch():
-    steps = inst.plan(machine(gpus=(("RTX 5090", (12, 0)),), nvcc=(12, 4), cuda="12.4"))
-    assert "too old for sm_120" in next(s.reason for s in steps if s.kernel == "sageattention")
+@pytest.mark.parametrize("m, want", [
+    (dict(nvcc=None, cuda="12.8", torch="2.8.0+cu128"), "no CUDA toolkit (nvcc not found); fix: install the CUDA toolkit 12.x "
+                                                        "(torch's CUDA is 12.8)"),
+    (dict(gpus=(("RTX 5090", (12, 0)),), nvcc=(12, 4), cuda="12.4", torch="2.8.0+cu124"),
+     "nvcc 12.4 is too old for sm_120 (needs 12.8); fix: install the CUDA toolkit 12.8 or later (torch's CUDA is 12.4)"),
+])
+def test_a_toolkit_that_cannot_build_here_says_the_fix(m, want):
+    steps = inst.plan(machine(**m))
+    assert want in next(s.reason for s in steps if s.kernel == "sageattention")
 
 
 @pytest.mark.parametrize(
@@ -364,11 +378,50 @@ def test_build_progress_follows_ninja_lines_in_pip_verbose_output(monkeypatch):
     import tqdm
 
     monkeypatch.setattr(tqdm, "tqdm", FakeBar)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # in a terminal
     feed = inst._progress("spas_sage_attn", quiet=False)
     for line in ["Building wheels for collected packages", "  [1/292] /usr/local/cuda/bin/nvcc -c a.cu", "  [57/292] nvcc b.cu"]:
         feed(line)
     feed(None)
     assert bars[0].n == 57 and bars[0].total == 292 and bars[0].closed
+
+
+def test_a_build_in_a_captured_log_prints_a_plain_progress_line_at_least_every_15_s(monkeypatch, tmp_path, capsys):
+    """ComfyUI Manager runs install.py without a terminal: no tqdm bar (its carriage returns), a line every
+    HEARTBEAT_S seconds saying how long and where the build is, even while the compiler prints nothing."""
+    assert inst.HEARTBEAT_S <= 15
+    monkeypatch.setattr(inst, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    script = ("import time\nprint('Building wheel for spas_sage_attn', flush=True)\n"
+              "print('[1/4] /usr/local/cuda/bin/nvcc -c /tmp/src/csrc/qattn/qk_int_sv_f8_cuda_sm90.cu -o a.o', flush=True)\n"
+              "time.sleep(0.8)\nprint('[4/4] c++ -shared a.o -o x.so', flush=True)\n")
+    i = inst.Installer(machine(), tmp_path / "logs")
+    assert i._stream([sys.executable, "-c", script], tmp_path / "logs" / "spas_sage_attn.log") == 0
+    out = capsys.readouterr()
+    beats = [x for x in out.out.splitlines() if x.startswith("  spas_sage_attn: ")]
+    assert len(beats) >= 4, out.out  # 0.8 s of silence, one line per 0.1 s
+    assert any(x.endswith(", compiling 1 of 4 (qk_int_sv_f8_cuda_sm90.cu)") for x in beats), beats
+    assert "\r" not in out.out + out.err
+    assert "[4/4]" in (tmp_path / "logs" / "spas_sage_attn.log").read_text()  # the full output stays in the log
+
+
+def test_heartbeat_lines_read_well():
+    import io
+
+    now = [0.0]
+    out = io.StringIO()
+    hb = inst.Heartbeat("sageattention", interval=3600, out=out, clock=lambda: now[0])
+    assert hb.line() == "  sageattention: 0 s, started"
+    hb("Running command Building wheel for sageattention (pyproject.toml)")
+    now[0] = 42
+    assert hb.line() == "  sageattention: 42 s, last output: Running command Building wheel for sageattention (pyproject.toml)"
+    hb("[57/292] /usr/local/cuda/bin/nvcc --generate-dependencies -c /x/csrc/fused/fused.cu -o /x/fused.o")
+    now[0] = 255
+    assert hb.line() == "  sageattention: 4 min 15 s, compiling 57 of 292 (fused.cu)"
+    hb("x" * 300)  # a long line after the step: the step still says where the build is
+    assert hb.line().endswith("compiling 57 of 292 (fused.cu)")
+    hb(None)
+    assert out.getvalue() == ""  # nothing printed before its interval
 
 
 # ------------------------------------------------------------------ the machines ComfyUI users have (simulated)
