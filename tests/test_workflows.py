@@ -48,11 +48,13 @@ def test_the_wan_templates_run_the_size_their_note_quotes_and_readme_quotes_the_
                 if n["type"] == "Note")["widgets_values"][0]
     m = gen.measured()
     assert m["wan"] in note and "H100" in note and "ComfyUI 0.33" in note and "unpatched" in note
-    assert f"Wan 2.1 1.3B 480p/81f {m['wan']}" in readme  # the what-to-pick table
+    # README's table of measured speed-ups, per release, quotes the data files the notes quote
+    assert f"| Wan 2.1 1.3B 480p/81f, `auto`, whole run | {m['wan']} (10 steps) | {m['wan_0364']} (4 steps) |" in readme
+    assert m["wan_0364"] in note and "ComfyUI 0.3.64" in note
     assert f"**{m['wan_exact']}**" in e2e  # docs/end-to-end.md's table gives three decimals
     flux = next(n for n in json.load(open(os.path.join(ROOT, "workflows", "Flux.1 dev image 1024px.json")))["nodes"]
                 if n["type"] == "Note")["widgets_values"][0]
-    assert m["flux"] in flux and f"Flux-dev 1024² {m['flux']} per step" in readme
+    assert m["flux"] in flux and f"| Flux-dev 1024², `auto`, per step | {m['flux']} |" in readme
 
 
 def _pack_nodes():
@@ -114,6 +116,32 @@ def test_the_saved_view_shows_the_whole_graph_in_a_1600x1000_window_at_a_readabl
     for x, y, w, h in [g["bounding"] for g in wf["groups"]]:
         sx, sy = (x + ds["offset"][0]) * ds["scale"], (y + ds["offset"][1]) * ds["scale"]
         assert left - 1 <= sx and sx + w * ds["scale"] <= right + 1 and top - 1 <= sy and sy + h * ds["scale"] <= bottom + 1
+
+
+def test_every_speed_up_in_readme_names_the_comfyui_release_it_was_measured_on():
+    """A ratio is against unpatched ComfyUI, which differs per release: each line with one names its release, or
+    stands in a table whose columns do."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table, found = False, 0
+    for line in readme.splitlines():
+        if line.startswith("| model, what | ComfyUI 0.33 | ComfyUI 0.3.64 |"):
+            table = True
+        elif not line.startswith("|"):
+            table = False
+        for ratio in re.findall(r"×\d+\.\d+|\d+(?:\.\d+)?-\d+(?:\.\d+)?× slower", line):
+            found += 1
+            assert table or re.search(r"ComfyUI 0\.3\.64|ComfyUI 0\.33|0\.3\.64|one call at a time", line) or \
+                re.search(r"ComfyUI 0\.33|ComfyUI 0\.3\.64", _paragraph(readme, line)), (ratio, line)
+    assert found > 15
+
+
+def _paragraph(text: str, line: str) -> str:
+    """The paragraph or list item that holds ``line``."""
+    block = []
+    for chunk in re.split(r"\n\s*\n|\n(?=- )", text):
+        if line in chunk:
+            block.append(chunk)
+    return "\n".join(block)
 
 
 def test_the_tuning_template_says_what_to_do_without_spargeattn():
