@@ -921,3 +921,47 @@ def test_named_kernels_that_are_skipped_on_a_gpu_machine_exit_non_zero_after_the
     monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(B200,), installed=fa4_installed()))
     assert inst.main(["--sparge-source", "/src/Sparge", "--yes"]) == 1  # SpargeAttn stops at sm 9.0
     assert "cannot install what was asked for: spas_sage_attn" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ README's install blocks
+
+def _install_blocks():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"```(bash|bat)\n(.*?)```", section, re.S))
+
+
+def test_readme_linux_install_block_runs_as_pasted(tmp_path):
+    """Pasted into a shell in ComfyUI's folder: the clone lands in custom_nodes, install.py runs from it with --yes
+    under the environment's python, and ComfyUI starts (git and the pack's files stubbed; nothing is downloaded)."""
+    block = _install_blocks()["bash"]
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "custom_nodes").mkdir(parents=True)
+    (comfy / "main.py").write_text("import os\nopen(os.environ['PA_LOG'], 'a').write('main.py ' + os.getcwd() + '\\n')\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    fake_install = ("import os, sys\nopen(os.environ['PA_LOG'], 'a').write('install.py ' + os.path.abspath(__file__) + ' '"
+                    " + ' '.join(sys.argv[1:]) + '\\n')\n")
+    (bin_ / "git").write_text("#!/bin/sh\n# git clone URL [DIR]\nd=${3:-$(basename \"$2\")}\nmkdir -p \"$d\"\n"
+                              f"cat > \"$d/install.py\" <<'PY'\n{fake_install}PY\n")
+    (bin_ / "git").chmod(0o755)
+    (bin_ / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_ / "python").chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", PA_LOG=str(log))
+    r = subprocess.run(["bash", "-e", "-c", block], cwd=comfy, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = log.read_text().splitlines()
+    assert lines == [f"install.py {comfy}/custom_nodes/ComfyUI-PatchAttention/install.py --yes", f"main.py {comfy}"]
+
+
+def test_readme_windows_portable_install_block_uses_the_embedded_python_on_the_cloned_pack():
+    block = _install_blocks()["bat"].strip().splitlines()
+    clone, install, start = block
+    target = clone.split()[-1]
+    assert clone.startswith("git clone https://github.com/patch-attention/ComfyUI-PatchAttention ")
+    assert target == r"ComfyUI\custom_nodes\ComfyUI-PatchAttention"  # relative to ComfyUI_windows_portable
+    # .\ makes it run in PowerShell as in Command Prompt; the embedded Python is the one that runs ComfyUI there
+    assert install == rf".\python_embeded\python.exe {target}\install.py --yes"
+    assert start == r".\run_nvidia_gpu.bat"
+    assert "/" not in install and "&&" not in " ".join(block)  # no bash syntax
