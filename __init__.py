@@ -8,7 +8,7 @@ from .nodes import NODE_CLASS_MAPPINGS as _V1_MAPPINGS
 from .nodes import NODE_DISPLAY_NAME_MAPPINGS as _V1_NAMES
 from .nodes import comfy_entrypoint as _v3_entrypoint
 
-WEB_DIRECTORY = None
+WEB_DIRECTORY = "./web"  # web/patch_attention.js: the report nodes show their report on the canvas
 
 if _v3_entrypoint is not None:
     # ComfyUI reads NODE_CLASS_MAPPINGS first; export only the V3 entry point where it exists.

@@ -653,24 +653,37 @@ def arch_list(archs) -> str:
     return ";".join(f"{a}.{b}" for a, b in archs)
 
 
+def toolkit_fix(m: Machine, need: tuple[int, int] | None = None) -> str:
+    """The one line that says how to get a CUDA toolkit that can build for this torch (and, with ``need``, for the GPU's
+    architecture): the version to install, and where to point CUDA_HOME."""
+    major = m.torch_cuda.split(".")[0] if m.torch_cuda else "?"
+    want = f"{need[0]}.{need[1]} or later" if need else f"{major}.x"
+    return (f"fix: install the CUDA toolkit {want} (torch's CUDA is {m.torch_cuda or '?'}) and point CUDA_HOME at it, "
+            "then run install.py again")
+
+
 def toolkit_problem(m: Machine, archs, user_source: bool = False) -> str | None:
-    """Why a CUDA extension cannot be built here, or None."""
+    """Why a CUDA extension cannot be built here, or None: checked before anything is built, each reason with its fix
+    on the same line."""
     if m.os not in ("Linux", "Windows"):
         return f"building on {m.os} is not supported"
     if m.os == "Windows" and not user_source:
         return ("no build on Windows from the upstream sources (they need the Windows fork's changes); "
                 "give --sage-source/--sparge-source a Windows-ready tree to build one")
-    if not m.nvcc:
-        return "no CUDA toolkit (nvcc not found; set CUDA_HOME)"
     if not m.torch_cuda:
         return "this torch has no CUDA"
+    if not m.nvcc:
+        return "no CUDA toolkit (nvcc not found); " + toolkit_fix(m)
     torch_major = int(m.torch_cuda.split(".")[0])
     if m.nvcc[0] != torch_major:
-        return f"nvcc {m.nvcc[0]}.{m.nvcc[1]} does not match torch's CUDA {m.torch_cuda} (major versions must agree)"
+        where = f" (found {m.nvcc_path})" if m.nvcc_path else ""
+        return (f"nvcc {m.nvcc[0]}.{m.nvcc[1]}{where} does not match torch's CUDA {m.torch_cuda} (major versions must "
+                "agree); " + toolkit_fix(m))
     for a in archs:
         need = NVCC_MIN_FOR_ARCH.get(a)
         if need and m.nvcc < need:
-            return f"nvcc {m.nvcc[0]}.{m.nvcc[1]} is too old for sm_{a[0]}{a[1]} (needs {need[0]}.{need[1]})"
+            return (f"nvcc {m.nvcc[0]}.{m.nvcc[1]} is too old for sm_{a[0]}{a[1]} (needs {need[0]}.{need[1]}); "
+                    + toolkit_fix(m, need))
     if m.os == "Windows" and not m.msvc:
         return "no C++ compiler (MSVC's cl.exe is not on PATH; run from a Developer Command Prompt)"
     if m.os == "Linux" and m.gcc is None:
@@ -1214,22 +1227,74 @@ def likely_cause(text: str) -> str:
     return "see the log"
 
 
+NINJA_STEP = re.compile(r"^\s*\[(\d+)/(\d+)\]")
+HEARTBEAT_S = 15.0  # a captured log (ComfyUI Manager runs install.py without a terminal) gets a line at least this often
+
+
+class Heartbeat:
+    """Plain progress lines for a log that is not a terminal: every ``interval`` seconds while a step runs, what it is
+    at (ninja's ``[i/n]`` and the file it compiles, or pip's last line), however long the compiler stays silent."""
+
+    def __init__(self, name: str, interval: float | None = None, out=None, clock=time.monotonic):
+        import threading
+
+        self.name, self.out, self.clock = name, out or sys.stdout, clock
+        self.interval = HEARTBEAT_S if interval is None else interval
+        self.t0 = clock()
+        self.step = self.last = None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def line(self) -> str:
+        s = int(self.clock() - self.t0)
+        took = f"{s // 60} min {s % 60:02d} s" if s >= 60 else f"{s} s"
+        if self.step:
+            i, n, what = self.step
+            at = f"compiling {i} of {n}" + (f" ({what})" if what else "")
+        elif self.last:
+            at = "last output: " + (self.last if len(self.last) <= 100 else self.last[:97] + "...")
+        else:
+            at = "started"
+        return f"  {self.name}: {took}, {at}"
+
+    def _run(self):
+        while not self._stop.wait(self.interval):
+            print(self.line(), file=self.out, flush=True)
+
+    def __call__(self, line):
+        if line is None:
+            self._stop.set()
+            self._thread.join()
+            return
+        line = line.strip()
+        if not line:
+            return
+        mt = NINJA_STEP.match(line)
+        if mt:
+            src = re.search(r"-c\s+(\S+\.(?:cu|cpp|cc|c))\b", line)
+            self.step = (int(mt.group(1)), int(mt.group(2)), os.path.basename(src.group(1)) if src else "")
+        self.last = line
+
+
 def _progress(name: str, quiet: bool, position: int = 0):
-    """A tqdm bar fed with ninja's ``[i/n]`` lines (and a line count otherwise)."""
+    """What a running step reports: in a terminal a tqdm bar fed with ninja's ``[i/n]`` lines; in a captured log
+    (no terminal) a plain line at least every HEARTBEAT_S seconds (:class:`Heartbeat`)."""
     if quiet:
         return lambda line: None
+    if not sys.stdout.isatty():
+        return Heartbeat(name)
     try:
         from tqdm import tqdm
     except ImportError:
-        return lambda line: None
+        return Heartbeat(name)
     bar = tqdm(desc=name, unit="step", leave=True, dynamic_ncols=True, position=position, mininterval=2)
-    pat = re.compile(r"^\s*\[(\d+)/(\d+)\]")
 
     def feed(line):
         if line is None:
             bar.close()
             return
-        mt = pat.match(line)
+        mt = NINJA_STEP.match(line)
         if mt:
             bar.total = int(mt.group(2))
             bar.n = int(mt.group(1))

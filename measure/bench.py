@@ -9,7 +9,9 @@ here, ``auto``, and what other packs do (``peer:comfy_default``: ComfyUI's
 default attention call; ``peer:sageattn``: a raw ``sageattn()`` call).  Times
 are medians of CUDA-event timings; ratios are against SDPA measured in the
 same run.  Accuracy is cosine / relative L1 against fp32 SDPA on inputs with
-DiT-like structure (:mod:`measure.inputs`).
+DiT-like structure (:mod:`measure.inputs`).  Without a CUDA GPU the node
+(not this command line) times what runs on the CPU, PyTorch's SDPA and its
+math kernel, with the wall clock.
 """
 
 from __future__ import annotations
@@ -40,12 +42,14 @@ PRESETS = {
 SKIP_BY_DEFAULT = {"sdpa_math"}
 
 
-def _time(fn, warmup, reps, rounds=5):
+def _time(fn, warmup, reps, rounds=5, device=None):
     """Median per-call ms over ``rounds`` of ``reps`` back-to-back calls (pipelined, as inside a model forward)."""
-    return time_call(fn, torch.device("cuda"), warmup=warmup, reps=reps, rounds=rounds)
+    return time_call(fn, device or torch.device("cuda"), warmup=warmup, reps=reps, rounds=rounds)
 
 
-def _peak(fn):
+def _peak(fn, device=None):
+    if device is not None and device.type != "cuda":
+        return None  # no allocator statistics on the CPU
     torch.cuda.synchronize()
     base = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
@@ -54,17 +58,32 @@ def _peak(fn):
     return (torch.cuda.max_memory_allocated() - base) / 2**20
 
 
-def _rows(include, exclude):
+def _rows(include, exclude, device=None):
+    """The backends to time: usable here; on a CPU, those that run on it (SDPA, its math kernel)."""
+    if device is not None and device.type != "cuda":
+        from .calls import make_spec
+
+        q = torch.empty((1, 64, 1, 64), device="meta")
+        spec = make_spec(q, q, q, "NHD", None).replace(device_type=device.type, dtype=torch.float32)
+        return [n for n in REGISTRY.names() if REGISTRY.get(n).available and not REGISTRY.get(n).plan(spec)[1]
+                and (not include or n in include)]
     names = [n for n in REGISTRY.names() if REGISTRY.get(n).available and n not in exclude]
     if include:
         names = [n for n in names if n in include]
     return names
 
 
-def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto_cache=None):
+def row_count(shapes: dict, device=None, backends=()) -> int:
+    """How many rows :func:`run` times for ``shapes`` (a progress bar's length)."""
+    device = device or torch.device("cuda")
+    peers = 1 + (device.type == "cuda" and REGISTRY.get("sage").available)
+    return len(shapes) * (len(_rows(set(backends), SKIP_BY_DEFAULT, device)) + 1 + peers)
+
+
+def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto_cache=None, device=None):
     b, h, nq, d, nk, grid, _ = shape
     nk = nk or nq
-    dev = torch.device("cuda")
+    dev = device or torch.device("cuda")
     q, k, v = structured_qkv(b, h, nq, nk, d, device=dev, dtype=dtype, seed=nq + d, kind="video" if grid and len(grid) == 3 else "image", grid=grid if grid and nq == nk else None)
     # ComfyUI hands most models' attention [B, N, H*D]
     qc, kc, vc = (t.transpose(1, 2).reshape(b, t.shape[2], h * d) for t in (q, k, v))
@@ -76,19 +95,21 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
         try:
             out = fn()
             r["cos"], r["rel_l1"] = accuracy(out, ref)
-            r["ms"] = _time(fn, warmup, reps)
-            r["peak_mib"] = round(_peak(fn), 1)
+            r["ms"] = _time(fn, warmup, reps, device=dev)
+            peak = _peak(fn, dev)
+            if peak is not None:
+                r["peak_mib"] = round(peak, 1)
             if unchecked is not None:  # quantized backends: the NaN check's cost
-                r["unchecked_ms"] = _time(unchecked, warmup, reps)
+                r["unchecked_ms"] = _time(unchecked, warmup, reps, device=dev)
             if direct is not None:
-                r["direct_ms"] = _time(direct, warmup, reps)
+                r["direct_ms"] = _time(direct, warmup, reps, device=dev)
                 base = r.get("unchecked_ms", r["ms"])
                 r["wrapper_pct"] = 100.0 * (base - r["direct_ms"]) / r["direct_ms"]
         except Exception as e:
             r["error"] = f"{type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}"
         out_rows.append(r)
         if progress:
-            progress.update(1)
+            progress()
         return r
 
     for name in names:
@@ -102,7 +123,9 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
             spec = make_spec(q, k, v, "HND", None)
             target, reason = plan_for(backend, spec)
             spec_ok = reason is None
-            if spec_ok and target == spec:
+            # the dispatcher's overhead over a direct kernel call: a GPU number (on the CPU the wall clock's noise
+            # is larger than it)
+            if spec_ok and target == spec and dev.type == "cuda":
                 lay = "NHD" if "NHD" in backend.layouts else backend.layouts[0]
                 qd, kd, vd = (qc.view(b, -1, h, d), kc.view(b, -1, h, d), vc.view(b, -1, h, d))
                 if lay == "HND":
@@ -116,7 +139,7 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
         if not spec_ok:
             out_rows.append({"backend": name, "shape": label, "refused": reason})
             if progress:
-                progress.update(1)
+                progress()
             continue
         unchecked = None
         if backend.quantized:
@@ -140,7 +163,7 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
         return o.transpose(1, 2).reshape(b, -1, h * d)
 
     row("peer:comfy_default", comfy_default)
-    if REGISTRY.get("sage").available:
+    if dev.type == "cuda" and REGISTRY.get("sage").available:
         import sageattention
 
         def raw_sage():
@@ -159,10 +182,14 @@ def render_markdown(meta, rows, presets):
     shapes = list(dict.fromkeys(r["shape"] for r in rows))
     names = list(dict.fromkeys(r["backend"] for r in rows))
     by = {(r["backend"], r["shape"]): r for r in rows}
+    cpu = meta.get("device", "cuda") != "cuda"
     out = [
         f"{meta['gpu']} · torch {meta['torch']} · {meta['dtype']} · {meta['date']} · per-call ms = median over 5 rounds of "
-        f"{meta['reps']} back-to-back calls (CUDA events); speed-up = SDPA ms / backend ms, same run; accuracy vs fp32 SDPA.",
+        f"{meta['reps']} back-to-back calls ({'wall clock' if cpu else 'CUDA events'}); speed-up = SDPA ms / backend ms, "
+        "same run; accuracy vs fp32 SDPA.",
         "",
+        *(["No CUDA GPU: these are PyTorch's SDPA kernels on the CPU, which is all that runs here; the GPU kernels "
+           "need an NVIDIA GPU.", ""] if cpu else []),
         "Shapes: " + "; ".join(f"`{s}` = {presets[s][6] if s in presets else s}" for s in shapes),
         "",
         "| backend | " + " | ".join(shapes) + " |",
@@ -184,7 +211,7 @@ def render_markdown(meta, rows, presets):
                     c += f" → {r['auto_choice']}"
                 cells.append(c)
         out.append(f"| {n} | " + " | ".join(cells) + " |")
-    out += ["", "Accuracy (cos / rel-L1) and peak extra memory (MiB):", "",
+    out += ["", "Accuracy (cos / rel-L1)" + ("" if cpu else " and peak extra memory (MiB)") + ":", "",
             "| backend | " + " | ".join(shapes) + " |", "|---|" + "---|" * len(shapes)]
     for n in names:
         cells = []
@@ -193,7 +220,8 @@ def render_markdown(meta, rows, presets):
             if r is None or "cos" not in r:
                 cells.append("" if r is None else ("n/a" if "refused" in r else "error"))
             else:
-                cells.append(f"{r['cos']:.4f} / {r['rel_l1']:.3f} · {r['peak_mib']:.0f}")
+                mem = f" · {r['peak_mib']:.0f}" if "peak_mib" in r else ""
+                cells.append(f"{r['cos']:.4f} / {r['rel_l1']:.3f}{mem}")
         out.append(f"| {n} | " + " | ".join(cells) + " |")
     wr = [r for r in rows if "wrapper_pct" in r]
     if wr:
@@ -253,20 +281,26 @@ def parse_shapes(presets, user_shapes) -> dict:
     return shapes
 
 
-def run(shapes: dict, *, backends=(), dtype="bf16", warmup=3, reps=10, json_path=None, progress=True):
-    """Benchmark ``shapes`` on this GPU; returns (meta, rows).  Used by the CLI and the Attention Benchmark node."""
-    names = _rows(set(backends), SKIP_BY_DEFAULT)
+def run(shapes: dict, *, backends=(), dtype="bf16", warmup=3, reps=10, json_path=None, progress=True, device=None):
+    """Benchmark ``shapes`` on ``device`` (default: this GPU); returns (meta, rows).  Used by the CLI and the Attention
+    Benchmark node.  ``progress``: True for a terminal bar, or a callable called once per row."""
+    device = device or torch.device("cuda")
+    names = _rows(set(backends), SKIP_BY_DEFAULT, device)
     tdtype = torch.bfloat16 if dtype == "bf16" else torch.float16
-    bar = None
-    if progress:
+    bar = tick = None
+    if callable(progress):
+        tick = progress
+    elif progress:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=len(shapes) * (len(names) + 3), desc="benchmark", unit="run")
+            bar = tqdm(total=row_count(shapes, device, backends), desc="benchmark", unit="run")
+            tick = lambda: bar.update(1)  # noqa: E731
         except ImportError:
             bar = None
     meta = {
-        "gpu": torch.cuda.get_device_name(),
+        "device": device.type,
+        "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "CPU",
         "torch": torch.__version__,
         "dtype": dtype,
         "date": datetime.date.today().isoformat(),
@@ -276,10 +310,12 @@ def run(shapes: dict, *, backends=(), dtype="bf16", warmup=3, reps=10, json_path
     rows = []
     for label, shape in shapes.items():
         try:
-            rows += bench_shape(label, shape, names, dtype=tdtype, warmup=warmup, reps=reps, progress=bar)
+            rows += bench_shape(label, shape, names, dtype=tdtype, warmup=warmup, reps=reps, progress=tick,
+                                device=device)
         except torch.OutOfMemoryError as e:
             rows.append({"backend": "sdpa", "shape": label, "error": f"out of memory: {str(e).splitlines()[0][:120]}"})
-            torch.cuda.empty_cache()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
         if json_path:  # after every shape, so a long run keeps what it measured
             with open(json_path, "w") as f:
                 json.dump({"meta": meta, "rows": rows}, f, indent=1)

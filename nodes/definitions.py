@@ -24,11 +24,13 @@ from ..attention.sparge_profile import (
 )
 from . import files
 from .patch import SPARSE_START, SpargeSettings, patch_model, tune_model
+from .progress import progress_bar
 
 CATEGORY = "model_patches/attention"
-# The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention. Saved workflows keep loading
-# across the rename from SPARGE_SETTINGS: links are restored by slot, and the input keeps its id (sparge_settings).
+# The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention (the type was SPARGE_SETTINGS;
+# a link keeps no type in the API format, and the frontends restore a saved link by its slot).
 SPARGE_TYPE = "SPARSE_SETTINGS"
+TOOLTIP_MAX = 300  # characters: what a tooltip box shows without scrolling; the detail is in README and docs/
 
 
 @dataclass
@@ -43,7 +45,9 @@ class In:
     max: float | None = None
     step: float | None = None
     multiline: bool = False
-    label: str = ""  # what the UI shows where it differs from the id saved in workflows
+    # Earlier ids of this input: a workflow saved with one (API format, or a UI link the frontend keeps by its saved
+    # name) still reaches the node function under the current name.
+    old_names: tuple = ()
 
     def choices(self) -> list:
         """A COMBO's entries; ``options`` may be a function (a file list, read each time ComfyUI asks for the nodes)."""
@@ -63,92 +67,99 @@ class Node:
     # checks some inputs before the run, in ComfyUI's prompt validation: ``validate(cls, <input names>...)`` returns
     # True or the reason; an input it names skips core's own check (a profile list accepts the empty name of old files)
     validate: Callable | None = None
+    search_aliases: list = field(default_factory=list)  # what people type into the node search for this node
+
+    @property
+    def report(self) -> bool:
+        """The node shows its first output, a text report, on the canvas after it runs."""
+        return self.output_node and bool(self.outputs) and self.outputs[0][0] == "STRING"
+
+    def run(self, **kwargs):
+        """The node function on the inputs ComfyUI hands over (earlier input ids mapped to the current ones). A bad
+        value's error names this node, as the user knows it."""
+        for i in self.inputs:
+            for old in i.old_names:
+                if old in kwargs and i.name not in kwargs:
+                    kwargs[i.name] = kwargs.pop(old)
+                kwargs.pop(old, None)
+        try:
+            return self.fn(**kwargs)
+        except (ValueError, OSError, RuntimeError) as e:
+            if len(e.args) == 1 and isinstance(e.args[0], str) and not e.args[0].startswith(self.display_name + ":"):
+                e.args = (f"{self.display_name}: {e.args[0]}",)
+            raise
 
 
 def backend_choices() -> list[str]:
     return ["auto", "disabled", "auto_exact", *REGISTRY.names()]
 
 
-def accuracy_text() -> str:
-    """The backends by accuracy class, from the registry (for the backend tooltip)."""
-    from ..attention.registry import ACCURACY
-
-    by = {}
-    for b in REGISTRY.backends():
-        by.setdefault(b.accuracy, []).append(b.name)
-    parts = []
-    for key, cls in ACCURACY.items():
-        if key in by:
-            bound = "no bound, checked on first use" if cls.max_rel_l1 == float("inf") else f"rel-L1 <= {cls.max_rel_l1}"
-            parts.append(f"{key} ({bound}): {', '.join(by[key])}")
-    return "; ".join(parts)
-
-
 BACKEND_TOOLTIP = (
-    "auto: measures the kernels this GPU can run on your model's attention calls, 8-bit and sparse ones included, and "
-    "keeps the fastest that stays close to exact attention (auto_min_cos, auto_max_rel_l1); remembered per GPU.\n"
-    "auto_exact: the same among exact kernels only (SDPA's kernels, FlashAttention 2/3/4, xformers): the fastest "
-    "kernel with no 8-bit or sparse error.\n"
-    "sdpa: ComfyUI's own attention. disabled: removes an earlier patch. Any other entry forces one kernel; calls it "
-    "cannot take, and the calls left dense (schedule, dense_layers), run on the fastest exact kernel, counted. "
-    "By accuracy: " + accuracy_text() + ". Attention Backends Info shows what is installed here."
+    "auto keeps the fastest kernel this GPU runs that stays within auto_min_cos and auto_max_rel_l1 of exact attention "
+    "(auto_exact: the fastest exact kernel). sdpa is ComfyUI's own attention, disabled removes an earlier patch, and "
+    "any other name forces that kernel."
 )
 
 
 # ---------------------------------------------------------------- Patch Attention
 
 def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0, dense_layers="", log_stats=False,
-              sparge_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1,
+              sparse_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1,
               check_finite=True, sparse_start_percent=SPARSE_START):
-    if sparge_settings is not None and sparge_settings.profile is not None:
+    if sparse_settings is not None and sparse_settings.profile is not None:
         fp = fingerprint_state_dict(model.model.diffusion_model.state_dict())
-        sparge_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
-    if sparge_settings is not None and backend not in ("auto", "disabled", sparge_settings.variant):
-        raise ValueError(f"the sparse-attention settings are for {sparge_settings.variant}, the backend is {backend}: "
-                         f"choose {sparge_settings.variant} or auto, or connect settings for {backend}")
+        sparse_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
+    if sparse_settings is not None and backend not in ("auto", "disabled", sparse_settings.variant):
+        raise ValueError(f"the sparse-attention settings are for {sparse_settings.variant}, the backend is {backend}: "
+                         f"choose {sparse_settings.variant} or auto, or connect settings for {backend}")
     m = patch_model(
         model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
-        dense_layers=dense_layers, log_stats=log_stats, sparge=sparge_settings, auto_retune=auto_retune,
+        dense_layers=dense_layers, log_stats=log_stats, sparge=sparse_settings, auto_retune=auto_retune,
         auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1, check_finite=check_finite,
         sparse_start_percent=sparse_start_percent,
     )
     return (m,)
 
 
+KERNEL_WORDS = ["sage", "sageattention", "sage attention", "sageattn", "flash attention", "flash-attn", "flashattention",
+                "fa2", "fa3", "fa4", "xformers", "sparge", "spargeattn", "sparse attention", "sdpa"]
+
 PATCH = Node(
     node_id="PatchAttention",
     display_name="Patch Attention",
     description="Returns a clone of the model whose attention runs on the chosen kernel. The input model is untouched.",
+    search_aliases=[*KERNEL_WORDS, "sparse", "sol-attn", "attention backend", "attention", "speed up", "faster",
+                    "accelerate", "optimize", "patch sage attention", "sage patch"],
     inputs=[
         In("model", "MODEL"),
         In("backend", "COMBO", "auto", BACKEND_TOOLTIP, options=backend_choices()),
-        In("fallback", "BOOLEAN", True, "On: a call the backend cannot take runs on the fastest exact kernel for its shape, "
-           "counted and logged once. Off: such a call stops the run with the reason."),
-        In("start_percent", "FLOAT", 0.0, "Use the chosen backend from this fraction of the sampling schedule on; the fastest exact kernel before.",
-           min=0.0, max=1.0, step=0.01),
-        In("end_percent", "FLOAT", 1.0, "Use the chosen backend until this fraction of the schedule; the fastest exact kernel after.",
-           min=0.0, max=1.0, step=0.01),
-        In("dense_layers", "STRING", "", "Attention layers kept dense (the fastest exact kernel), by index within one model forward: "
-           "'0-3, 10, 50-'. Flux: 0-18 double blocks, 19-56 single blocks.", ),
-        In("log_stats", "BOOLEAN", False, "After each sampling run, log calls, fallbacks and GPU time per backend."),
-        In("sparge_settings", SPARGE_TYPE, None, "Settings (and a per-layer profile) from a SpargeAttn Settings or "
-           "Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
-           optional=True, label="sparse_settings"),
-        In("auto_retune", "BOOLEAN", False, "auto, auto_exact: measure again instead of using remembered decisions.",
-           optional=True),
-        In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: a backend must reach this cosine similarity to SDPA on the real call.",
+        In("fallback", "BOOLEAN", True, "On: a call the kernel cannot take runs on the fastest exact kernel for its "
+           "shape, counted and logged once. Off: such a call stops the run with the reason."),
+        In("start_percent", "FLOAT", 0.0, "Fraction of the sampling schedule (0-1) from which the chosen kernel runs; "
+           "before it, the fastest exact kernel.", min=0.0, max=1.0, step=0.01),
+        In("end_percent", "FLOAT", 1.0, "Fraction of the sampling schedule (0-1) until which the chosen kernel runs; "
+           "after it, the fastest exact kernel.", min=0.0, max=1.0, step=0.01),
+        In("dense_layers", "STRING", "", "Attention layers kept on the fastest exact kernel, by index within one model "
+           "forward, e.g. '0-3, 10, 50-' (Flux: 0-18 double blocks, 19-56 single blocks)."),
+        In("log_stats", "BOOLEAN", False, "After each sampling run, log per kernel its calls, fallbacks and GPU time "
+           "(ms)."),
+        In("sparse_settings", SPARGE_TYPE, None, "Options, and optionally a per-layer profile, from a SpargeAttn "
+           "Settings or Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
+           optional=True, old_names=("sparge_settings",)),
+        In("auto_retune", "BOOLEAN", False, "auto and auto_exact: measure the kernels again instead of using the "
+           "decisions remembered for this GPU.", optional=True),
+        In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: the lowest cosine similarity to exact attention (0-1) a "
+           "kernel may have on your model's real calls; higher keeps results closer to exact.",
            optional=True, min=0.9, max=1.0, step=0.0005),
-        In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: and stay within this relative L1 error.",
+        In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: the largest relative L1 error against exact "
+           "attention (0.08 = 8 %) a kernel may have on your model's real calls; lower keeps results closer to exact.",
            optional=True, min=0.0, max=1.0, step=0.005),
-        In("check_finite", "BOOLEAN", True, "Check quantized kernels' output for NaN/inf and redo such a call on an exact kernel "
-           "(SageAttention returns NaN when all keys are equal, e.g. a zeroed negative prompt). Each call is checked on a "
-           "run's first step, then each step's output (per call throughout for models that hide NaN, e.g. Flux); one GPU "
-           "sync per step.",
-           optional=True),
-        In("sparse_start_percent", "FLOAT", SPARSE_START, "Sparse kernels (SpargeAttn, Sol-Attn) only from this fraction "
-           "of the schedule on (the early steps set the layout; ComfyUI's Model Sparse Attention waits 20 % too). "
-           "Before it, a sparse backend runs on the fastest exact kernel and auto chooses among the other kernels.",
-           optional=True, min=0.0, max=1.0, step=0.01),
+        In("check_finite", "BOOLEAN", True, "Check 8-bit and sparse kernels' output for NaN (black images) and redo "
+           "such a step with the affected layers on an exact kernel. SageAttention gives NaN when all keys are equal, "
+           "e.g. a zeroed negative prompt; one GPU sync per step.", optional=True),
+        In("sparse_start_percent", "FLOAT", SPARSE_START, "Fraction of the schedule (0-1) from which sparse kernels "
+           "(SpargeAttn, Sol-Attn) run; before it they run on the fastest exact kernel and auto picks among the "
+           "others. ComfyUI's Model Sparse Attention waits 0.2 too.", optional=True, min=0.0, max=1.0, step=0.01),
     ],
     outputs=[("MODEL", "model")],
     fn=run_patch,
@@ -203,20 +214,26 @@ SPARGE = Node(
     node_id="SpargeAttnSettings",
     display_name=SPARGE_NAME,
     description="Thresholds for the SpargeAttn backends of Patch Attention, per model, optionally per layer from a profile.",
+    search_aliases=["sparge", "spargeattn", "sparge attention", "sparse", "sparse attention", "sparsity", "sage",
+                    "sageattention", "speed up", "faster"],
     inputs=[
         In("variant", "COMBO", "sparge", "sparge: SpargeAttn on SageAttention2; sparge_topk: keep the top-k blocks; "
            "sparge_sage1: on SageAttention1 kernels.", options=list(SPARGE_VARIANTS)),
-        In("simthreshd1", "FLOAT", DEFAULTS["simthreshd1"], "Block self-similarity above which a block may be skipped "
-           "(higher: fewer skipped, more accurate).", min=BOUNDS["simthreshd1"][0], max=BOUNDS["simthreshd1"][1], step=0.01),
-        In("cdfthreshd", "FLOAT", DEFAULTS["cdfthreshd"], "Share of attention mass kept per row (lower: sparser, faster, less accurate).",
+        In("simthreshd1", "FLOAT", DEFAULTS["simthreshd1"], "Block self-similarity (-1 to 1) above which a block may be "
+           "skipped; higher skips fewer blocks and stays closer to dense attention.", min=BOUNDS["simthreshd1"][0], max=BOUNDS["simthreshd1"][1], step=0.01),
+        In("cdfthreshd", "FLOAT", DEFAULTS["cdfthreshd"], "Share of each row's attention mass kept (0-1); lower is "
+           "sparser and faster, and further from dense attention.",
            min=BOUNDS["cdfthreshd"][0], max=BOUNDS["cdfthreshd"][1], step=0.001),
-        In("pvthreshd", "FLOAT", float(DEFAULTS["pvthreshd"]), "PV-stage skip threshold (higher: fewer skipped).",
+        In("pvthreshd", "FLOAT", float(DEFAULTS["pvthreshd"]), "Skip threshold of the PV stage (a plain number, no unit); "
+           "higher skips fewer blocks.",
            min=BOUNDS["pvthreshd"][0], max=1000.0, step=1.0),
-        In("topk", "FLOAT", 0.5, "sparge_topk only: fraction of key blocks kept per query block.", optional=True,
+        In("topk", "FLOAT", 0.5, "sparge_topk only: fraction of key blocks (0-1) "
+           "each query block keeps.", optional=True,
            min=0.0, max=1.0, step=0.01),
         In("profile", "COMBO", files.NONE, PROFILE_TOOLTIP, optional=True, options=files.profile_names),
-        In("report_error_every", "INT", 0, "With Patch Attention's log_stats: per-layer sparsity, and every N-th call of a layer "
-           "also its rel-L1 error vs dense SDPA (0: sparsity only). Costs a dense call each time.", optional=True,
+        In("report_error_every", "INT", 0, "With Patch Attention's log_stats: each layer's sparsity, and "
+           "every N-th call (a count) also its relative L1 error against dense attention (0: sparsity only). Each error "
+           "costs one dense call.", optional=True,
            min=0, max=1000, step=1),
     ],
     outputs=[(SPARGE_TYPE, "sparse_settings")],
@@ -244,6 +261,8 @@ SOL = Node(
     description="Options for comfy-kitchen's Sol-Attn kernels in Patch Attention (the kernel of ComfyUI's Model Sparse "
                 "Attention node), per model, optionally per layer from a tuned profile. Needs comfy-kitchen 0.2.40 or "
                 "later (ComfyUI 0.33 comes with 0.2.31: Attention Backends Info says how to add it).",
+    search_aliases=["sol", "sol-attn", "sol attention", "solattn", "sparse", "sparse attention", "sla", "comfy-kitchen",
+                    "kitchen", "model sparse attention", "speed up", "faster"],
     inputs=[
         In("method", "COMBO", "kitchen_sol", "kitchen_sol: a training-free threshold tau picks the key blocks each query "
            "block attends exactly (the rest through one pooled term per block). kitchen_sol_topk: a fixed share of key "
@@ -251,11 +270,12 @@ SOL = Node(
         In("tau", "FLOAT", SOL_DEFAULTS["tau"], "kitchen_sol: threshold in sigmas of each block's score distribution; "
            "higher is sparser and faster (1.0 keeps ~16 % of key blocks exact, 1.5 ~7 %, 2.0 ~2.7 %).",
            min=SOL_BOUNDS["tau"][0], max=SOL_BOUNDS["tau"][1], step=0.05),
-        In("keep_percent", "FLOAT", 100 * SOL_TOPK_DEFAULTS["keep_ratio"], "kitchen_sol_topk: percent of key blocks "
+        In("keep_percent", "FLOAT", 100 * SOL_TOPK_DEFAULTS["keep_ratio"], "kitchen_sol_topk: percent (%) of key blocks "
            "each query block keeps exactly.", min=0.5, max=95.0, step=0.5),
-        In("extra_tokens", "INT", SOL_DEFAULTS["extra_tokens"], "Extra top-scoring tokens each query block attends "
-           "exactly beyond its blocks (0-256, multiples of 64): closer to dense for more time.", min=0, max=256, step=64),
-        In("min_tokens", "INT", SOL_DEFAULTS["min_tokens"], "Calls with fewer tokens run dense (faster there).",
+        In("extra_tokens", "INT", SOL_DEFAULTS["extra_tokens"], "Extra top-scoring tokens (0-256, multiples of 64) "
+           "each query block attends exactly beyond its blocks: closer to dense attention, for more time.", min=0, max=256, step=64),
+        In("min_tokens", "INT", SOL_DEFAULTS["min_tokens"], "Calls with fewer tokens (sequence length) than this "
+           "run dense, which is faster there.",
            min=0, max=1 << 20, step=512),
         In("profile", "COMBO", files.NONE, PROFILE_TOOLTIP, optional=True, options=files.profile_names),
     ],
@@ -301,16 +321,18 @@ TUNE = Node(
                 "thresholds (SpargeAttn's, or Sol-Attn's tau / keep share) are searched against dense attention (the run "
                 "itself samples dense) and a per-layer profile is written to models/sparge_profiles. Load it with "
                 "SpargeAttn Settings or Sol-Attn Settings -> profile.",
+    search_aliases=["tune", "tuning", "autotune", "calibrate", "sparge", "spargeattn", "sparse", "sparse attention",
+                    "sol-attn", "profile", "per layer"],
     inputs=[
         In("model", "MODEL"),
         In("variant", "COMBO", "sparge", "Which sparse kernel to tune for: SpargeAttn's (sparge*) or comfy-kitchen's "
            "Sol-Attn (kitchen_sol: tau per layer; kitchen_sol_topk: keep share per layer).", options=list(VARIANTS)),
-        In("error_budget", "FLOAT", DEFAULT_BUDGET, "Largest relative L1 error vs dense attention a layer may have at any "
-           "sampled call (SpargeAttn's own tuning criterion; its default is 0.07).", min=0.001, max=0.5, step=0.001),
+        In("error_budget", "FLOAT", DEFAULT_BUDGET, "Largest relative L1 error against dense "
+           "attention (0.07 = 7 %) a layer may have at any sampled call; 0.07 is SpargeAttn's own tuning default.", min=0.001, max=0.5, step=0.001),
         In("profile_name", "STRING", "my_model", "A plain file name (letters, digits, - and _; .json is added); the "
            "profile is written to models/sparge_profiles. Folders and paths are not accepted."),
-        In("pvthreshd_values", "STRING", "50", "SpargeAttn: pvthreshd values to search, comma-separated (each multiplies "
-           "the tuning work); 50 is the library's default. Ignored for Sol-Attn.", optional=True),
+        In("pvthreshd_values", "STRING", "50", "SpargeAttn: pvthreshd values to search, "
+           "comma-separated (each one multiplies the tuning time); 50 is the library's default. Ignored for Sol-Attn.", optional=True),
     ],
     outputs=[("MODEL", "model")],
     fn=run_tune,
@@ -325,18 +347,21 @@ def run_benchmark(presets, shapes="", dtype="bf16", reps=10):
 
     from ..measure import bench
 
-    if not torch.cuda.is_available():
-        return ("no CUDA GPU: nothing to benchmark; PyTorch SDPA is what runs here.",)
     wanted = [p.strip() for p in presets.split(",") if p.strip()]
     unknown = [p for p in wanted if p not in bench.PRESETS]
     if unknown:
         raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(bench.PRESETS)}")
     shape_list = [s.strip() for s in shapes.replace(";", "\n").splitlines() if s.strip()]
-    table = bench.parse_shapes(wanted if wanted else ([] if shape_list else None), shape_list)
-    if not wanted and shape_list:
+    if not wanted and not shape_list:
+        raise ValueError("nothing to time: give presets, shapes, or both")
+    table = bench.parse_shapes(wanted, shape_list)
+    if not wanted:  # parse_shapes takes every preset for an empty list
         table = {k: v for k, v in table.items() if k in shape_list}
-    check_shapes_fit(table, torch.device("cuda"))
-    meta, rows = bench.run(table, dtype=dtype, reps=reps)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    check_shapes_fit(table, device)
+    bar = progress_bar(bench.row_count(table, device))
+    meta, rows = bench.run(table, dtype=dtype, reps=reps, device=device,
+                           progress=(lambda: bar.update(1)) if bar is not None else True)
     return (bench.render_markdown(meta, rows, bench.PRESETS),)
 
 
@@ -377,13 +402,19 @@ BENCH = Node(
     node_id="AttentionBenchmark",
     display_name="Attention Benchmark",
     description="Times every attention backend usable on this GPU (and auto, and ComfyUI's default) on model shapes, "
-                "with speed-ups against SDPA from the same run and accuracy against fp32 SDPA. Takes seconds to minutes.",
+                "with speed-ups against SDPA from the same run and accuracy against fp32 SDPA. Takes seconds to minutes. "
+                "Without a CUDA GPU it times PyTorch's SDPA kernels on the CPU.",
+    search_aliases=["benchmark", "speed test", "attention benchmark", "kernel benchmark", "attention", *KERNEL_WORDS,
+                    "compare kernels"],
     inputs=[
-        In("presets", "STRING", "sd15,sdxl,flux", "Comma-separated presets: sd15, sd15-cross, sdxl, sd3, flux, wan-480p, "
-           "hunyuan-480p (video presets take minutes). Empty: only the shapes below."),
-        In("shapes", "STRING", "", "Your own shapes, one per line: B,H,N,D or B,H,N,D,Nk.", multiline=True),
-        In("dtype", "COMBO", "bf16", "Input dtype.", options=["bf16", "fp16"]),
-        In("reps", "INT", 10, "Back-to-back calls per timing round (5 rounds, median).", min=1, max=1000, step=1),
+        In("presets", "STRING", "sd15,sdxl,flux", "Comma-separated presets: sd15, sd15-cross, sdxl, sd3, flux, "
+           "wan-480p, hunyuan-480p (video ones take minutes on a GPU; on a CPU use small shapes below). Empty: only "
+           "your shapes."),
+        In("shapes", "STRING", "", "Your own shapes, one per line: B,H,N,D or B,H,N,D,Nk (batch, heads, query tokens, "
+           "head dim, key tokens).", multiline=True),
+        In("dtype", "COMBO", "bf16", "Data type of the inputs (bf16 or fp16).", options=["bf16", "fp16"]),
+        In("reps", "INT", 10, "Back-to-back calls per timing round (a count; 5 rounds, the median is reported).",
+           min=1, max=1000, step=1),
     ],
     outputs=[("STRING", "report")],
     fn=run_benchmark,
@@ -447,13 +478,7 @@ def _progress(total: int, desc: str):
     """A progress callback (one call per finished item) for the console and ComfyUI's progress bar."""
     from tqdm import tqdm
 
-    bar = None
-    try:
-        import comfy.utils
-
-        bar = comfy.utils.ProgressBar(total)
-    except Exception:
-        pass
+    bar = progress_bar(total)
     with tqdm(total=total, desc=desc, unit="row") as t:
         def progress(name):
             t.set_postfix_str(name)
@@ -478,22 +503,23 @@ BENCH_E2E = Node(
                 "Besides the report: a chart of each row's speed against its PSNR, with the exact kernels' PSNR (the "
                 "floor) and the band 3 dB below it, and with a VAE each row's decoded output beside its difference to "
                 "the unpatched row (connect Preview Image to see them).",
+    search_aliases=["benchmark", "end to end", "e2e", "speed test", "sampling speed", "compare", "speed up", "faster",
+                    *KERNEL_WORDS],
     inputs=[
         In("model", "MODEL"),
         In("positive", "CONDITIONING", None, "Your positive conditioning (as into your KSampler)."),
         In("negative", "CONDITIONING", None, "Your negative conditioning."),
         In("latent_image", "LATENT", None, "Your latent (its size sets the attention shapes)."),
-        In("steps", "INT", 4, "Timed steps per row (a 2-step warm-up run comes first).", min=1, max=100, step=1),
+        In("steps", "INT", 4, "Timed sampling steps per row (a 2-step warm-up run comes first).", min=1, max=100, step=1),
         In("cfg", "FLOAT", 5.0, "CFG scale, as in your KSampler.", min=0.0, max=100.0, step=0.1),
-        In("sampler_name", "COMBO", "euler", "Sampler.", options=SAMPLERS),
-        In("scheduler", "COMBO", "simple", "Scheduler.", options=SCHEDULERS),
+        In("sampler_name", "COMBO", "euler", "Sampler, as in your KSampler.", options=SAMPLERS),
+        In("scheduler", "COMBO", "simple", "Scheduler, as in your KSampler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
-        In("rows", "STRING", "all", "'all', or a comma-separated list: unpatched, auto, auto_exact, backend names, peer:<backend>, "
-           "core:kitchen-int8 (ComfyUI's Model Attention Backend), core:sol-attn (ComfyUI's Model Sparse Attention), "
-           "a sparse backend with options or a tuned profile from models/sparge_profiles: kitchen_sol[tau=2.0], "
-           "sparge[profile=my_model.json]."),
-        In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel (the kernel called straight from ComfyUI's hook)."),
-        In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); compile time is in the warm-up, not the timing."),
+        In("rows", "STRING", "all", "'all', or a comma-separated list of unpatched, auto, auto_exact, backend names, "
+           "peer:<backend>, core:kitchen-int8, core:sol-attn, or a sparse backend with options, e.g. "
+           "kitchen_sol[tau=2.0] or sparge[profile=my_model.json] (a file in models/sparge_profiles)."),
+        In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel, which calls the kernel straight from ComfyUI's hook."),
+        In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); the compile time falls in the warm-up, not in the timing."),
         In("vae", "VAE", None, "Optional: your model's VAE. Each row's final latent is decoded (once, after the timing) "
            "and shown beside its difference to the unpatched row in the frames output.", optional=True),
     ],
@@ -509,23 +535,93 @@ BENCH_E2E = Node(
 def info_text() -> str:
     env = environment()
     lines = [f"torch {env['torch']} (CUDA {env['cuda'] or '-'}{', ROCm ' + env['hip'] if env['hip'] else ''}), Python {env['python']}"]
-    if env["gpus"]:
-        for g in env["gpus"]:
-            lines.append(f"GPU {g['index']}: {g['name']} — compute capability {g['cc']} ({g['arch']})")
+    for g in env["gpus"]:
+        lines.append(f"GPU {g['index']}: {g['name']} — compute capability {g['cc']} ({g['arch']})")
+    if not env["gpus"]:
+        lines.append("no CUDA GPU")
+    lines.append("")
+    rows = report_rows()
+    if not env["gpus"]:  # the GPU kernels' rows say nothing a user here can act on
+        lines += [f"[      yes] {r['backend']}" for r in rows if r["usable"]]
     else:
-        lines.append("no CUDA GPU: only PyTorch SDPA can run here")
+        for r in rows:
+            mark = "yes" if r["usable"] else ("installed" if r["installed"] else "no")
+            ver = f" {r['version']}" if r["version"] else ""
+            why = f" — {_why(r['why_not'])}" if r["why_not"] else ""
+            lines.append(f"[{mark:>9}] {r['backend']}{ver}{why}")
+        lines.append("")
+        lines.append("'installed': the package imports but cannot run a typical call here (the reason follows it).")
     lines.append("")
-    for r in report_rows():
-        mark = "yes" if r["usable"] else ("installed" if r["installed"] else "no")
-        ver = f" {r['version']}" if r["version"] else ""
-        why = f" — {_why(r['why_not'])}" if r["why_not"] else ""
-        lines.append(f"[{mark:>9}] {r['backend']}{ver}{why}")
-    lines.append("")
-    lines.append("'installed': the package imports but cannot run a typical call here (the reason follows it).")
-    lines.append("To add what this GPU can run, with the Python that runs ComfyUI:")
-    lines.append(f"  {_quote(sys.executable)} {_quote(os.path.join(PACK_DIR, 'install.py'))} --dry-run   (its plan)")
-    lines.append(f"  {_quote(sys.executable)} {_quote(os.path.join(PACK_DIR, 'install.py'))} --yes")
+    lines += advice(env)
     return "\n".join(lines)
+
+
+# Data-centre and workstation NVIDIA GPUs by name; the rest (GeForce, TITAN) are consumer cards.
+_DATACENTRE = re.compile(r"\b(Tesla|[ABHL]\d{1,3}S?|[GB]B?\d00|H\d00|H20|B\d00|GB\d00|RTX PRO|RTX A\d|Quadro|"
+                         r"A\d{2,3}|V100|T4|P100|P40|DGX)\b", re.IGNORECASE)
+
+
+def gpu_kind(name: str) -> str:
+    """'consumer' (GeForce, TITAN) or 'data-centre' (H100, A100, L40S, RTX PRO, ...) for an NVIDIA GPU's name."""
+    if re.search(r"GeForce|TITAN", name, re.IGNORECASE):
+        return "consumer"
+    return "data-centre" if _DATACENTRE.search(name) else "consumer"
+
+
+# What install.py installs by default, in the words a user knows (attention.capabilities says which GPUs take each).
+INSTALLED_BY_DEFAULT = {"sageattention": "SageAttention 2", "sageattn3": "SageAttention 3", "spas_sage_attn": "SpargeAttn",
+                        "flash_attn4": "FlashAttention-4"}
+
+
+def addable(cc: tuple[int, int], windows: bool) -> list[str]:
+    """The kernels install.py can add for a GPU of compute capability ``cc`` (Windows: the prebuilt SageAttention 2
+    wheel only; SageAttention 1 where 2 cannot run)."""
+    from ..attention.capabilities import KERNELS
+
+    names = [v for k, v in INSTALLED_BY_DEFAULT.items() if KERNELS[k].runs_on(cc)]
+    if windows:
+        names = [n for n in names if n == "SageAttention 2"]
+    if "SageAttention 2" not in names and KERNELS["sageattention1"].runs_on(cc):
+        names.insert(0, "SageAttention 1")
+    return names
+
+
+def advice(env: dict, system: str | None = None) -> list[str]:
+    """What to do next, for the machine this runs on: nothing to install without a CUDA GPU; on a GPU, what
+    install.py adds for it and what that needs."""
+    import platform
+
+    if not env["gpus"]:
+        where = "this ROCm build of torch" if env["hip"] else "this machine"
+        return [f"No CUDA GPU on {where}: ComfyUI's own attention (PyTorch SDPA) is what runs, and the GPU kernels "
+                "(SageAttention, FlashAttention, SpargeAttn, xformers) need an NVIDIA GPU. Leave models unpatched "
+                "here; there is nothing to install."]
+    g = env["gpus"][0]
+    cc = tuple(int(x) for x in g["cc"].split("."))
+    windows = (system or platform.system()) == "Windows"
+    kernels = addable(cc, windows)
+    cuda = env["cuda"] or "?"
+    if not kernels:
+        return [f"{g['name']} (sm {g['cc']}) is older than every kernel install.py adds: PyTorch SDPA is what runs "
+                "here. Leave models unpatched."]
+    if windows:
+        how = "It comes as a prebuilt wheel where one matches this torch; nothing is compiled on Windows."
+    else:
+        from ..attention.capabilities import KERNELS
+
+        built = [v for k, v in INSTALLED_BY_DEFAULT.items() if v in kernels and KERNELS[k].source == "build"]
+        how = " ".join(filter(None, [
+            built and f"Building {' and '.join(built)} needs the CUDA toolkit {cuda.split('.')[0]}.x, as torch's CUDA "
+                      f"is {cuda}.",
+            "FlashAttention-4 comes as wheels." if "FlashAttention-4" in kernels else ""]))
+    kind = "a consumer GPU" if gpu_kind(g["name"]) == "consumer" else "a data-centre GPU"
+    head = f"{g['name']} is {kind}: install.py adds {', '.join(kernels)}. {how}".strip()
+    return [
+        head,
+        "With the Python that runs ComfyUI (--dry-run prints the plan and changes nothing):",
+        f"  {_quote(sys.executable)} {_quote(os.path.join(PACK_DIR, 'install.py'))} --dry-run",
+        f"  {_quote(sys.executable)} {_quote(os.path.join(PACK_DIR, 'install.py'))} --yes",
+    ]
 
 
 PACK_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -550,6 +646,8 @@ INFO = Node(
     node_id="AttentionBackendsInfo",
     display_name="Attention Backends Info",
     description="What attention kernels are installed, what this GPU is, and why a backend cannot run here.",
+    search_aliases=["attention backends", "attention info", "installed kernels", "system info", "gpu info",
+                    "diagnostics", "check install", *KERNEL_WORDS],
     inputs=[],
     outputs=[("STRING", "report")],
     fn=run_info,

@@ -145,15 +145,34 @@ def patch_model(
 class TuningOverride(AttentionOverride):
     """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end.
     The search is measurement code (:mod:`..measure.sparge_tune`), imported when a tuning run is built, never by
-    patching."""
+    patching.  The run's progress (its steps) shows on the Tune Sparse Attention node (``node_id``), which ComfyUI
+    executed before the sampler that runs the tuning; the terminal's bar counts the tuned calls."""
 
-    def __init__(self, tuner, name: str, fingerprint: str, model_class: str, write=None):
+    def __init__(self, tuner, name: str, fingerprint: str, model_class: str, write=None, node_id: str | None = None):
         super().__init__(AttentionConfig(backend="sdpa"))
         self.tuner, self.name, self.fingerprint, self.model_class = tuner, name, fingerprint, model_class
         self.write = write or _write_profile  # (file name, JSON data) -> the path written
         self.path = None
+        self.node_id = node_id
         self.saved = None
         self._bar = None
+        self._ui = None  # ComfyUI's bar on the node, over the run's steps
+        self._sigmas = ()
+
+    def start_run(self, sigmas=None) -> None:
+        super().start_run(sigmas)
+        self._sigmas = tuple(float(s) for s in sigmas) if sigmas is not None else ()  # one sync per run
+        self._ui = None
+        if self.node_id is not None and len(self._sigmas) > 1:
+            from .progress import progress_bar
+
+            self._ui = progress_bar(len(self._sigmas) - 1, node_id=self.node_id)
+
+    def _step_done(self, transformer_options) -> None:
+        """At a forward's first call: the steps before this forward's sigma are done."""
+        sig = as_float((transformer_options or {}).get("sigmas"))
+        if sig is not None:
+            self._ui.update_absolute(sum(1 for s in self._sigmas[:-1] if s > sig * (1 + 1e-6)))
 
     def __call__(self, func, *args, **kwargs):
         from ..measure.sparge_tune import tuning_attention
@@ -166,6 +185,8 @@ class TuningOverride(AttentionOverride):
             from tqdm import tqdm
 
             self._bar = tqdm(desc=f"tuning {self.tuner.variant} per layer", unit="call")
+        if layer == 0 and self._ui is not None:
+            self._step_done(rest.get("transformer_options"))
         out = tuning_attention(self.tuner, layer, a["q"], a["k"], a["v"], a["heads"], a.get("mask"),
                                skip_reshape=bool(a.get("skip_reshape", False)),
                                skip_output_reshape=bool(a.get("skip_output_reshape", False)), stats=ln.config.stats)
@@ -179,6 +200,9 @@ class TuningOverride(AttentionOverride):
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+        if self._ui is not None:
+            self._ui.update_absolute(self._ui.total)
+            self._ui = None
         prof = self.tuner.profile(self.fingerprint, self.model_class,
                                   notes=f"{self.tuner.evaluations} candidate runs over {len(self.tuner.layers)} layers")
         self.path = self.write(self.name, prof.to_json())
@@ -211,8 +235,10 @@ def tune_model(model, variant: str, error_budget: float, name: str, pvthreshd_va
 
     dm = model.model.diffusion_model
     grid = {**default_grid(variant), "pvthreshd": tuple(pvthreshd_values)}
+    from .progress import executing_node
+
     ov = TuningOverride(SpargeTuner(variant=variant, budget=error_budget, grid=grid), name,
-                        fingerprint_state_dict(dm.state_dict()), type(dm).__name__, write)
+                        fingerprint_state_dict(dm.state_dict()), type(dm).__name__, write, node_id=executing_node())
     return install(model.clone(), ov)
 
 

@@ -11,8 +11,6 @@ def _input(i):
         opts["default"] = i.default
     if i.tooltip:
         opts["tooltip"] = i.tooltip
-    if i.label:
-        opts["display_name"] = i.label
     for key in ("min", "max", "step"):
         if getattr(i, key) is not None:
             opts[key] = getattr(i, key)
@@ -30,8 +28,8 @@ def make_class(node: Node):
         return {"required": req, "optional": opt} if opt else {"required": req}
 
     def run(self, **kwargs):
-        result = node.fn(**kwargs)
-        if node.output_node and node.outputs and node.outputs[0][0] == "STRING":
+        result = node.run(**kwargs)
+        if node.report:  # drawn on the node by web/patch_attention.js
             return {"ui": {"text": (result[0],)}, "result": result}
         return result
 
@@ -43,6 +41,7 @@ def make_class(node: Node):
         "CATEGORY": node.category,
         "DESCRIPTION": node.description,
         "OUTPUT_NODE": node.output_node,
+        "SEARCH_ALIASES": list(node.search_aliases),
         "run": run,
     }
     if node.validate is not None:

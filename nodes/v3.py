@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from comfy_api.latest import ComfyExtension, io, ui
 
 from .definitions import NODES, Node
 
+# ComfyUI 0.33's schema carries search aliases for the node search; 0.3.64's has no such field.
+SCHEMA_FIELDS = {f.name for f in dataclasses.fields(io.Schema)}
+
 
 def _input(i):
-    common = {"optional": i.optional, "tooltip": i.tooltip or None, "display_name": i.label or None}
+    common = {"optional": i.optional, "tooltip": i.tooltip or None}
     if i.kind == "MODEL":
         return io.Model.Input(i.name, **common)
     if i.kind == "CONDITIONING":
@@ -42,6 +47,7 @@ def _output(kind, name):
 
 def make_class(node: Node):
     def define_schema(cls):
+        extra = {"search_aliases": list(node.search_aliases)} if "search_aliases" in SCHEMA_FIELDS else {}
         return io.Schema(
             node_id=node.node_id,
             display_name=node.display_name,
@@ -50,11 +56,12 @@ def make_class(node: Node):
             inputs=[_input(i) for i in node.inputs],
             outputs=[_output(k, n) for k, n in node.outputs],
             is_output_node=node.output_node,
+            **extra,
         )
 
     def execute(cls, **kwargs):
-        result = node.fn(**kwargs)
-        if node.output_node and node.outputs and node.outputs[0][0] == "STRING":
+        result = node.run(**kwargs)
+        if node.report:  # drawn on the node by web/patch_attention.js
             return io.NodeOutput(*result, ui=ui.PreviewText(result[0]))
         return io.NodeOutput(*result)
 

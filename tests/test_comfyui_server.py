@@ -170,3 +170,48 @@ def test_prompt_with_patch_attention_succeeds(server):
     assert list((base / "output").rglob("pa_test*.latent"))
     log = (base / "server.log").read_text()
     assert "Patch Attention (sdpa_math)" in log and "sdpa_math" in log and "6 calls" in log
+
+
+def run_prompt(url, base, prompt, timeout=120):
+    """Queue ``prompt``; (history entry, status) once it finished or failed."""
+    pid = post(url + "/prompt", {"prompt": prompt, "client_id": "pa-test"})["prompt_id"]
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        hist = get(url + f"/history/{pid}")
+        if pid in hist and (hist[pid].get("status", {}).get("completed")
+                            or hist[pid].get("status", {}).get("status_str") == "error"):
+            return hist[pid]
+        time.sleep(0.5)
+    pytest.fail("prompt did not finish in time:\n" + (base / "server.log").read_text()[-3000:])
+
+
+@pytest.mark.parametrize("input_id", ["sparse_settings", "sparge_settings"])
+def test_a_prompt_with_the_settings_input_s_current_or_earlier_id_reaches_patch_attention(server, input_id):
+    """Patch Attention's settings input was saved as sparge_settings before it was renamed sparse_settings: ComfyUI
+    hands an API-format workflow's link to the node under whichever id it has, and the node takes both. The settings
+    arrive: Patch Attention refuses settings for another kernel than its backend, naming itself."""
+    url, base = server
+    prompt = {
+        "1": {"class_type": "PATestTinyFluxLoader", "inputs": {"unet_name": "tiny_flux.safetensors"}},
+        "2": {"class_type": "SpargeAttnSettings", "inputs": {"variant": "sparge", "simthreshd1": 0.6, "cdfthreshd": 0.98,
+                                                              "pvthreshd": 50.0}},
+        "3": {"class_type": "PatchAttention", "inputs": {"model": ["1", 0], "backend": "sdpa_math", "fallback": True,
+                                                         "start_percent": 0.0, "end_percent": 1.0, "dense_layers": "",
+                                                         "log_stats": False, input_id: ["2", 0]}},
+        "4": {"class_type": "PATestConditioning", "inputs": {"seed": 1, "tokens": 8, "context_dim": 32, "pooled_dim": 32}},
+        "5": {"class_type": "EmptySD3LatentImage", "inputs": {"width": 64, "height": 64, "batch_size": 1}},
+        "6": {"class_type": "KSampler", "inputs": {"model": ["3", 0], "seed": 3, "steps": 1, "cfg": 1.0, "sampler_name": "euler",
+                                                   "scheduler": "simple", "positive": ["4", 0], "negative": ["4", 0],
+                                                   "latent_image": ["5", 0], "denoise": 1.0}},
+        "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": "pa_rename"}},
+    }
+    entry = run_prompt(url, base, prompt)
+    status = entry["status"]
+    assert status["status_str"] == "error", status
+    err = next(m[1] for m in status["messages"] if m[0] == "execution_error")
+    assert err["node_type"] == "PatchAttention"
+    assert err["exception_message"].startswith("Patch Attention: the sparse-attention settings are for sparge, the "
+                                               "backend is sdpa_math"), err["exception_message"]
+    # and with the settings' own kernel the same prompt runs (on the CPU SpargeAttn is absent: the fastest exact kernel)
+    prompt["3"]["inputs"]["backend"] = "sparge"
+    assert run_prompt(url, base, prompt)["status"]["status_str"] == "success"

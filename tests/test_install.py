@@ -101,14 +101,28 @@ def test_no_toolkit_falls_back_to_sage_triton_wheel():
     assert "no CUDA toolkit" in reason
 
 
-def test_nvcc_torch_cuda_mismatch_is_refused():
-    steps = inst.plan(machine(nvcc=(12, 8), cuda="13.0"))
-    assert "does not match torch's CUDA 13.0" in next(s.reason for s in steps if s.kernel == "sageattention")
+def test_nvcc_torch_cuda_mismatch_is_refused_before_any_build_with_the_fix_in_one_line(capsys):
+    m = machine(nvcc=(12, 8), cuda="13.0")
+    steps = inst.plan(m)
+    assert not any(s.action == "build" for s in steps)  # nothing is built against the wrong toolkit
+    reason = next(s.reason for s in steps if s.kernel == "sageattention")
+    assert reason.startswith("nvcc 12.8 (found /usr/local/cuda/bin/nvcc) does not match torch's CUDA 13.0")
+    assert "fix: install the CUDA toolkit 13.x (torch's CUDA is 13.0) and point CUDA_HOME at it" in reason
+    assert next(s.reason for s in steps if s.kernel == "spas_sage_attn") == reason
+    plan = inst.render_plan(m, steps)
+    line = next(x for x in plan.splitlines() if x.strip().startswith("sageattention "))
+    assert "does not match" in line and "fix: install the CUDA toolkit 13.x" in line  # the problem and its fix: one line
 
 
-def test_nvcc_too_old_for_the_arch():
-    steps = inst.plan(machine(gpus=(("RTX 5090", (12, 0)),), nvcc=(12, 4), cuda="12.4"))
-    assert "too old for sm_120" in next(s.reason for s in steps if s.kernel == "sageattention")
+@pytest.mark.parametrize("m, want", [
+    (dict(nvcc=None, cuda="12.8", torch="2.8.0+cu128"), "no CUDA toolkit (nvcc not found); fix: install the CUDA toolkit 12.x "
+                                                        "(torch's CUDA is 12.8)"),
+    (dict(gpus=(("RTX 5090", (12, 0)),), nvcc=(12, 4), cuda="12.4", torch="2.8.0+cu124"),
+     "nvcc 12.4 is too old for sm_120 (needs 12.8); fix: install the CUDA toolkit 12.8 or later (torch's CUDA is 12.4)"),
+])
+def test_a_toolkit_that_cannot_build_here_says_the_fix(m, want):
+    steps = inst.plan(machine(**m))
+    assert want in next(s.reason for s in steps if s.kernel == "sageattention")
 
 
 @pytest.mark.parametrize(
@@ -364,11 +378,50 @@ def test_build_progress_follows_ninja_lines_in_pip_verbose_output(monkeypatch):
     import tqdm
 
     monkeypatch.setattr(tqdm, "tqdm", FakeBar)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: True)  # in a terminal
     feed = inst._progress("spas_sage_attn", quiet=False)
     for line in ["Building wheels for collected packages", "  [1/292] /usr/local/cuda/bin/nvcc -c a.cu", "  [57/292] nvcc b.cu"]:
         feed(line)
     feed(None)
     assert bars[0].n == 57 and bars[0].total == 292 and bars[0].closed
+
+
+def test_a_build_in_a_captured_log_prints_a_plain_progress_line_at_least_every_15_s(monkeypatch, tmp_path, capsys):
+    """ComfyUI Manager runs install.py without a terminal: no tqdm bar (its carriage returns), a line every
+    HEARTBEAT_S seconds saying how long and where the build is, even while the compiler prints nothing."""
+    assert inst.HEARTBEAT_S <= 15
+    monkeypatch.setattr(inst, "HEARTBEAT_S", 0.1)
+    monkeypatch.setattr(sys.stdout, "isatty", lambda: False)
+    script = ("import time\nprint('Building wheel for spas_sage_attn', flush=True)\n"
+              "print('[1/4] /usr/local/cuda/bin/nvcc -c /tmp/src/csrc/qattn/qk_int_sv_f8_cuda_sm90.cu -o a.o', flush=True)\n"
+              "time.sleep(0.8)\nprint('[4/4] c++ -shared a.o -o x.so', flush=True)\n")
+    i = inst.Installer(machine(), tmp_path / "logs")
+    assert i._stream([sys.executable, "-c", script], tmp_path / "logs" / "spas_sage_attn.log") == 0
+    out = capsys.readouterr()
+    beats = [x for x in out.out.splitlines() if x.startswith("  spas_sage_attn: ")]
+    assert len(beats) >= 4, out.out  # 0.8 s of silence, one line per 0.1 s
+    assert any(x.endswith(", compiling 1 of 4 (qk_int_sv_f8_cuda_sm90.cu)") for x in beats), beats
+    assert "\r" not in out.out + out.err
+    assert "[4/4]" in (tmp_path / "logs" / "spas_sage_attn.log").read_text()  # the full output stays in the log
+
+
+def test_heartbeat_lines_read_well():
+    import io
+
+    now = [0.0]
+    out = io.StringIO()
+    hb = inst.Heartbeat("sageattention", interval=3600, out=out, clock=lambda: now[0])
+    assert hb.line() == "  sageattention: 0 s, started"
+    hb("Running command Building wheel for sageattention (pyproject.toml)")
+    now[0] = 42
+    assert hb.line() == "  sageattention: 42 s, last output: Running command Building wheel for sageattention (pyproject.toml)"
+    hb("[57/292] /usr/local/cuda/bin/nvcc --generate-dependencies -c /x/csrc/fused/fused.cu -o /x/fused.o")
+    now[0] = 255
+    assert hb.line() == "  sageattention: 4 min 15 s, compiling 57 of 292 (fused.cu)"
+    hb("x" * 300)  # a long line after the step: the step still says where the build is
+    assert hb.line().endswith("compiling 57 of 292 (fused.cu)")
+    hb(None)
+    assert out.getvalue() == ""  # nothing printed before its interval
 
 
 # ------------------------------------------------------------------ the machines ComfyUI users have (simulated)
@@ -868,3 +921,47 @@ def test_named_kernels_that_are_skipped_on_a_gpu_machine_exit_non_zero_after_the
     monkeypatch.setattr(inst, "detect", lambda: machine(gpus=(B200,), installed=fa4_installed()))
     assert inst.main(["--sparge-source", "/src/Sparge", "--yes"]) == 1  # SpargeAttn stops at sm 9.0
     assert "cannot install what was asked for: spas_sage_attn" in capsys.readouterr().out
+
+
+# ------------------------------------------------------------------ README's install blocks
+
+def _install_blocks():
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    section = readme.split("## Install", 1)[1].split("\n## ", 1)[0]
+    return dict(re.findall(r"```(bash|bat)\n(.*?)```", section, re.S))
+
+
+def test_readme_linux_install_block_runs_as_pasted(tmp_path):
+    """Pasted into a shell in ComfyUI's folder: the clone lands in custom_nodes, install.py runs from it with --yes
+    under the environment's python, and ComfyUI starts (git and the pack's files stubbed; nothing is downloaded)."""
+    block = _install_blocks()["bash"]
+    comfy = tmp_path / "ComfyUI"
+    (comfy / "custom_nodes").mkdir(parents=True)
+    (comfy / "main.py").write_text("import os\nopen(os.environ['PA_LOG'], 'a').write('main.py ' + os.getcwd() + '\\n')\n")
+    bin_ = tmp_path / "bin"
+    bin_.mkdir()
+    fake_install = ("import os, sys\nopen(os.environ['PA_LOG'], 'a').write('install.py ' + os.path.abspath(__file__) + ' '"
+                    " + ' '.join(sys.argv[1:]) + '\\n')\n")
+    (bin_ / "git").write_text("#!/bin/sh\n# git clone URL [DIR]\nd=${3:-$(basename \"$2\")}\nmkdir -p \"$d\"\n"
+                              f"cat > \"$d/install.py\" <<'PY'\n{fake_install}PY\n")
+    (bin_ / "git").chmod(0o755)
+    (bin_ / "python").write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+    (bin_ / "python").chmod(0o755)
+    log = tmp_path / "log"
+    env = dict(os.environ, PATH=f"{bin_}:{os.environ['PATH']}", PA_LOG=str(log))
+    r = subprocess.run(["bash", "-e", "-c", block], cwd=comfy, env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    lines = log.read_text().splitlines()
+    assert lines == [f"install.py {comfy}/custom_nodes/ComfyUI-PatchAttention/install.py --yes", f"main.py {comfy}"]
+
+
+def test_readme_windows_portable_install_block_uses_the_embedded_python_on_the_cloned_pack():
+    block = _install_blocks()["bat"].strip().splitlines()
+    clone, install, start = block
+    target = clone.split()[-1]
+    assert clone.startswith("git clone https://github.com/patch-attention/ComfyUI-PatchAttention ")
+    assert target == r"ComfyUI\custom_nodes\ComfyUI-PatchAttention"  # relative to ComfyUI_windows_portable
+    # .\ makes it run in PowerShell as in Command Prompt; the embedded Python is the one that runs ComfyUI there
+    assert install == rf".\python_embeded\python.exe {target}\install.py --yes"
+    assert start == r".\run_nvidia_gpu.bat"
+    assert "/" not in install and "&&" not in " ".join(block)  # no bash syntax

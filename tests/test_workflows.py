@@ -3,6 +3,7 @@
 import glob
 import json
 import os
+import re
 
 import pytest
 from pack import load
@@ -47,11 +48,100 @@ def test_the_wan_templates_run_the_size_their_note_quotes_and_readme_quotes_the_
                 if n["type"] == "Note")["widgets_values"][0]
     m = gen.measured()
     assert m["wan"] in note and "H100" in note and "ComfyUI 0.33" in note and "unpatched" in note
-    assert f"Wan 2.1 1.3B 480p/81f {m['wan']}" in readme  # the what-to-pick table
+    # README's table of measured speed-ups, per release, quotes the data files the notes quote
+    assert f"| Wan 2.1 1.3B 480p/81f, `auto`, whole run | {m['wan']} (10 steps) | {m['wan_0364']} (4 steps) |" in readme
+    assert m["wan_0364"] in note and "ComfyUI 0.3.64" in note
     assert f"**{m['wan_exact']}**" in e2e  # docs/end-to-end.md's table gives three decimals
     flux = next(n for n in json.load(open(os.path.join(ROOT, "workflows", "Flux.1 dev image 1024px.json")))["nodes"]
                 if n["type"] == "Note")["widgets_values"][0]
-    assert m["flux"] in flux and f"Flux-dev 1024² {m['flux']} per step" in readme
+    assert m["flux"] in flux and f"| Flux-dev 1024², `auto`, per step | {m['flux']} |" in readme
+
+
+def _pack_nodes():
+    return {n.node_id: n for n in load().nodes.definitions.NODES}
+
+
+@pytest.mark.parametrize("path", UI, ids=os.path.basename)
+def test_every_loader_names_its_model_files_with_their_download_url_and_folder(path):
+    """As ComfyUI's own templates do: the Missing Models panel then offers each file for download."""
+    wf = json.load(open(path))
+    loaders = [n for n in wf["nodes"] if n["type"] in ("CheckpointLoaderSimple", "UNETLoader", "DualCLIPLoader",
+                                                        "CLIPLoader", "VAELoader")]
+    assert loaders
+    for n in loaders:
+        models = n["properties"]["models"]
+        files = [v for v in n["widgets_values"] if isinstance(v, str) and v.endswith(".safetensors")]
+        assert [m["name"] for m in models] == files, n
+        for m in models:
+            assert set(m) == {"name", "url", "directory"}
+            assert re.fullmatch(r"https://huggingface\.co/[\w.-]+/[\w.-]+/resolve/main/([\w./-]+/)?" + re.escape(m["name"])
+                                + r"(\?download=true)?", m["url"]), m
+            assert m["directory"] == {"CheckpointLoaderSimple": "checkpoints", "UNETLoader": "diffusion_models",
+                                      "DualCLIPLoader": "text_encoders", "CLIPLoader": "text_encoders",
+                                      "VAELoader": "vae"}[n["type"]]
+
+
+@pytest.mark.parametrize("path", UI, ids=os.path.basename)
+def test_the_notes_explain_every_input_of_the_pack_s_nodes_and_why_a_value_is_not_the_default(path):
+    gen = _generator()
+    wf = json.load(open(path))
+    notes = "\n".join(n["widgets_values"][0] for n in wf["nodes"] if n["type"] == "Note")
+    pack = _pack_nodes()
+    for n in wf["nodes"]:
+        if n["type"] not in pack:
+            continue
+        node = pack[n["type"]]
+        widgets = [i for i in node.inputs if i.kind in gen.WIDGET_KINDS]
+        values = dict(zip([i.name for i in widgets], n["widgets_values"]))
+        for i in widgets:
+            assert f"{i.name} " in notes, f"{n['type']}.{i.name} is not in the note"
+            if values[i.name] != i.default:
+                why = gen.NOTE_WHY.get((n["type"], i.name))
+                assert why and why in notes, f"{n['type']}.{i.name} = {values[i.name]!r} (default {i.default!r}): no reason"
+    # the tuning budget is the node's own default, SpargeAttn's 0.07
+    if "tuning" in path:
+        tune = next(n for n in wf["nodes"] if n["type"] == "TuneSpargeAttn")
+        assert tune["widgets_values"][1] == pack["TuneSpargeAttn"].inputs[2].default == 0.07
+
+
+@pytest.mark.parametrize("path", UI, ids=os.path.basename)
+def test_the_saved_view_shows_the_whole_graph_in_a_1600x1000_window_at_a_readable_zoom(path):
+    """extra.ds fits the groups into the part of the canvas both frontends leave free in a 1600x1000 window, at a zoom
+    at which the frontend still draws widget text (tests/test_browser.py checks it in the frontends themselves)."""
+    gen = _generator()
+    wf = json.load(open(path))
+    ds = wf["extra"]["ds"]
+    assert 8 / 12 <= ds["scale"] <= 1.0
+    left, top, right, bottom = gen.VIEW
+    for x, y, w, h in [g["bounding"] for g in wf["groups"]]:
+        sx, sy = (x + ds["offset"][0]) * ds["scale"], (y + ds["offset"][1]) * ds["scale"]
+        assert left - 1 <= sx and sx + w * ds["scale"] <= right + 1 and top - 1 <= sy and sy + h * ds["scale"] <= bottom + 1
+
+
+def test_every_speed_up_in_readme_names_the_comfyui_release_it_was_measured_on():
+    """A ratio is against unpatched ComfyUI, which differs per release: each line with one names its release, or
+    stands in a table whose columns do."""
+    readme = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    table, found = False, 0
+    for line in readme.splitlines():
+        if line.startswith("| model, what | ComfyUI 0.33 | ComfyUI 0.3.64 |"):
+            table = True
+        elif not line.startswith("|"):
+            table = False
+        for ratio in re.findall(r"×\d+\.\d+|\d+(?:\.\d+)?-\d+(?:\.\d+)?× slower", line):
+            found += 1
+            assert table or re.search(r"ComfyUI 0\.3\.64|ComfyUI 0\.33|0\.3\.64|one call at a time", line) or \
+                re.search(r"ComfyUI 0\.33|ComfyUI 0\.3\.64", _paragraph(readme, line)), (ratio, line)
+    assert found > 15
+
+
+def _paragraph(text: str, line: str) -> str:
+    """The paragraph or list item that holds ``line``."""
+    block = []
+    for chunk in re.split(r"\n\s*\n|\n(?=- )", text):
+        if line in chunk:
+            block.append(chunk)
+    return "\n".join(block)
 
 
 def test_the_tuning_template_says_what_to_do_without_spargeattn():
@@ -151,7 +241,13 @@ def check_ui(wf, node_info):
             assert spec[0] == typ, f"link {lid}: {nodes[dst]['type']}.{name} takes {spec[0]}, not {typ}"
 
 
+def old_names():
+    """{node type: {earlier input id: current id}}: the ids a saved workflow may still use (Node.run maps them)."""
+    return {n.node_id: {o: i.name for i in n.inputs for o in i.old_names} for n in load().nodes.definitions.NODES}
+
+
 def check_api(wf, node_info):
+    renamed = old_names()
     for node in wf.values():
         info = node_info(node["class_type"])
         if info is None:
@@ -161,6 +257,7 @@ def check_api(wf, node_info):
             assert name in node["inputs"], f"{node['class_type']} is missing required input {name}"
         widgets = {name: (kind, opts, options) for name, kind, opts, options in widget_inputs(info)}
         for name, value in node["inputs"].items():
+            name = renamed.get(node["class_type"], {}).get(name, name)
             assert name in req or name in opt, f"{node['class_type']} has no input {name}"
             if isinstance(value, list):
                 src = wf[value[0]]

@@ -1,9 +1,11 @@
 """Write the example workflows in workflows/, in ComfyUI's UI format and its API format, from one description.
 
     python tests/tools/make_workflows.py                        # the JSON files
-    python tests/tools/make_workflows.py --thumbnails .build/artifacts
+    python tests/tools/make_workflows.py --thumbnails .build/artifacts/comfyui-0.33.0
                                     # workflows/<name>.jpg (template browser) from tests/test_browser.py's screenshots
     python tests/tools/make_workflows.py --captions [NAME...]   # only the description band of existing thumbnails
+    python tests/tools/make_workflows.py --report-picture .build/artifacts/comfyui-0.33.0
+                                    # docs/report-on-canvas.png from tests/test_browser.py's screenshot
 
 tests/test_workflows.py checks every node type and widget in the output against the node definitions
 (ComfyUI's own where a ComfyUI is found, this pack's always).
@@ -19,7 +21,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 OUT = os.path.join(ROOT, "workflows")
 DATA = os.path.join(ROOT, "docs", "data")
 
-# node type -> (inputs that are links [(name, type)], widget names in order, outputs [(name, type)])
+# node type -> (inputs that are links [(name, type)], widget names in order, outputs [(name, type)]); the pack's own
+# nodes are read from nodes/definitions.py (pack_io below)
 IO = {
     "CheckpointLoaderSimple": ([], ["ckpt_name"], [("MODEL", "MODEL"), ("CLIP", "CLIP"), ("VAE", "VAE")]),
     "UNETLoader": ([], ["unet_name", "weight_dtype"], [("MODEL", "MODEL")]),
@@ -37,30 +40,94 @@ IO = {
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [], [("IMAGE", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
     "SaveAnimatedWEBP": ([("images", "IMAGE")], ["filename_prefix", "fps", "lossless", "quality", "method"], []),
-    "PatchAttention": ([("model", "MODEL"), ("sparge_settings", "SPARSE_SETTINGS")],
-                       ["backend", "fallback", "start_percent", "end_percent", "dense_layers", "log_stats",
-                        "auto_retune", "auto_min_cos", "auto_max_rel_l1", "check_finite", "sparse_start_percent"],
-                       [("model", "MODEL")]),
-    "SpargeAttnSettings": ([], ["variant", "simthreshd1", "cdfthreshd", "pvthreshd", "topk", "profile", "report_error_every"],
-                           [("sparse_settings", "SPARSE_SETTINGS")]),
-    "TuneSpargeAttn": ([("model", "MODEL")], ["variant", "error_budget", "profile_name", "pvthreshd_values"],
-                       [("model", "MODEL")]),
-    "AttentionBackendsInfo": ([], [], [("report", "STRING")]),
     "Note": ([], ["text"], []),
 }
-OPTIONAL_LINKS = {("PatchAttention", "sparge_settings")}
-LABELS = {("PatchAttention", "sparge_settings"): "sparse_settings"}  # the input's display name, saved as the frontend does
+WIDGET_KINDS = {"COMBO", "BOOLEAN", "FLOAT", "INT", "STRING"}
+
+
+def pack_nodes():
+    """The pack's node declarations (nodes/definitions.py), imported as ComfyUI would import the pack."""
+    import importlib.util
+    import sys
+
+    spec = importlib.util.spec_from_file_location("pack_for_workflows", os.path.join(ROOT, "tests", "pack.py"))
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    sys.modules.setdefault("pack_for_workflows", mod)
+    return {n.node_id: n for n in mod.load().nodes.definitions.NODES}
+
+
+PACK = pack_nodes()
+for _n in PACK.values():
+    IO[_n.node_id] = ([(i.name, i.kind) for i in _n.inputs if i.kind not in WIDGET_KINDS],
+                      [i.name for i in _n.inputs if i.kind in WIDGET_KINDS], [(nm, k) for k, nm in _n.outputs])
+OPTIONAL_LINKS = {(n.node_id, i.name) for n in PACK.values() for i in n.inputs if i.optional and i.kind not in WIDGET_KINDS}
 UI_ONLY = {"Note"}  # not in the API format
 SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after generate" value in the UI format
 
-# Estimated node heights in the frontend (title, one row per slot pair, one per widget); the browser test measures
-# the real boxes and fails on any overlap, so these only need to be generous.
-TITLE, SLOT, WIDGET, MULTILINE = 34, 22, 26, 110
-WIDTH = {"PatchAttention": 360, "Note": 380, "AttentionBackendsInfo": 380, "CLIPTextEncode": 400, "KSampler": 320,
-         "SpargeAttnSettings": 340, "TuneSpargeAttn": 340}
-EXTRA_HEIGHT = {"AttentionBackendsInfo": 260, "SaveImage": 260, "SaveAnimatedWEBP": 300}  # room for what they show
-COL_GAP, ROW_GAP, GROUP_PAD = 70, 40, 40
-GROUP_TITLE = 80  # from a group's top to its first node's position: the group's title bar, then the node's title
+
+def defaults(node_type: str) -> dict:
+    """The pack node's widget defaults, as a new node in the frontend has them."""
+    return {i.name: i.default for i in PACK[node_type].inputs if i.kind in WIDGET_KINDS}
+
+
+# The model files, as ComfyUI's own templates name them: file, where ComfyUI's Missing Models panel downloads it
+# from (the URLs of comfyui-workflow-templates for the same files), and its folder under models/.
+MODELS = {
+    "v1-5-pruned-emaonly-fp16.safetensors": (
+        "https://huggingface.co/Comfy-Org/stable-diffusion-v1-5-archive/resolve/main/v1-5-pruned-emaonly-fp16.safetensors"
+        "?download=true", "checkpoints"),
+    "sd_xl_base_1.0.safetensors": (
+        "https://huggingface.co/stabilityai/stable-diffusion-xl-base-1.0/resolve/main/sd_xl_base_1.0.safetensors"
+        "?download=true", "checkpoints"),
+    "flux1-dev.safetensors": ("https://huggingface.co/Comfy-Org/flux1-dev/resolve/main/flux1-dev.safetensors",
+                              "diffusion_models"),
+    "clip_l.safetensors": ("https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/clip_l.safetensors",
+                           "text_encoders"),
+    "t5xxl_fp16.safetensors": (
+        "https://huggingface.co/comfyanonymous/flux_text_encoders/resolve/main/t5xxl_fp16.safetensors", "text_encoders"),
+    "ae.safetensors": (
+        "https://huggingface.co/Comfy-Org/Lumina_Image_2.0_Repackaged/resolve/main/split_files/vae/ae.safetensors", "vae"),
+    "wan2.1_t2v_1.3B_fp16.safetensors": (
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.1_t2v_1.3B_fp16.safetensors?download=true", "diffusion_models"),
+    "umt5_xxl_fp8_e4m3fn_scaled.safetensors": (
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
+        "umt5_xxl_fp8_e4m3fn_scaled.safetensors?download=true", "text_encoders"),
+    "wan_2.1_vae.safetensors": (
+        "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/vae/wan_2.1_vae.safetensors"
+        "?download=true", "vae"),
+}
+LOADERS = {"CheckpointLoaderSimple", "UNETLoader", "DualCLIPLoader", "CLIPLoader", "VAELoader"}
+
+
+def models_of(typ: str, widgets: dict) -> list:
+    """properties.models of a loader node: every model file it loads, as [{name, url, directory}]."""
+    if typ not in LOADERS:
+        return []
+    names = [v for k, v in widgets.items() if k.endswith("_name") or k.startswith("clip_name")]
+    return [{"name": n, "url": MODELS[n][0], "directory": MODELS[n][1]} for n in names]
+
+
+# The window a template is made to be read in (ComfyUI's page in a 1600x1000 browser window, as headless Chromium
+# gives it: the canvas is 1600x857) and the frontend's own parts over the canvas: the side bar on the left, the tab bar
+# and graph menu at the top, the minimap and zoom controls at the bottom right.
+WINDOW = (1600, 1000)
+VIEW = (60, 86, 1526, 772)  # left, top, right, bottom of the canvas area a graph is fitted into (canvas pixels)
+
+# Node sizes in the frontend (title, one row per slot pair, one per widget); the browser test measures the real boxes
+# and fails on any overlap, so these only need to be generous.
+TITLE, SLOT, WIDGET, MULTILINE = 34, 22, 26, 100
+WIDTH = {"PatchAttention": 340, "Note": 400, "AttentionBackendsInfo": 400, "CLIPTextEncode": 400, "KSampler": 300,
+         "SpargeAttnSettings": 320, "TuneSpargeAttn": 320, "UNETLoader": 320, "CLIPLoader": 320, "DualCLIPLoader": 320,
+         "CheckpointLoaderSimple": 320}
+# room for what they show: the report (it scrolls), the image or video once sampled
+EXTRA_HEIGHT = {"AttentionBackendsInfo": 150, "SaveImage": 140, "SaveAnimatedWEBP": 0}
+NOTE_CHARS, NOTE_LINE = 58, 12  # characters per line of a Note this wide, and its line height (at zoom 1)
+COL_GAP, ROW_GAP, GROUP_PAD = 24, 12, 16
+NODE_TITLE = 30  # a node's title bar, above its position (its size is the body's)
+GROUP_TITLE = 66  # from a group's top to its first node's position: the group's title bar, then the node's title
+STEP = ROW_GAP + NODE_TITLE  # from a node's bottom to the next node's position below it
 
 
 def node_size(typ, widgets):
@@ -68,28 +135,106 @@ def node_size(typ, widgets):
     multiline = {"CLIPTextEncode": 1, "Note": 1}.get(typ, 0)
     h = TITLE + SLOT * max(len(ins), len(outs)) + WIDGET * (len(names) - multiline) + MULTILINE * multiline
     if typ == "Note":
-        h = max(h, 60 + 17 * (widgets.get("text", "").count("\n") + len(widgets.get("text", "")) // 52))
+        text = widgets.get("text", "")
+        lines = sum(1 + len(line) // NOTE_CHARS for line in text.split("\n"))
+        h = max(h, 40 + NOTE_LINE * lines)
     return [WIDTH.get(typ, 300), h + EXTRA_HEIGHT.get(typ, 0)]
 
 
-def patch_widgets(backend="auto", start=0.0, end=1.0, dense="", log_stats=True):
-    return {"backend": backend, "fallback": True, "start_percent": start, "end_percent": end, "dense_layers": dense,
-            "log_stats": log_stats, "auto_retune": False, "auto_min_cos": 0.995, "auto_max_rel_l1": 0.08, "check_finite": True,
-            "sparse_start_percent": 0.2}
+def patch_widgets(**set_here):
+    """Patch Attention's widgets: the node's defaults, and what a template sets (each needs a reason in NOTE_WHY)."""
+    return {**defaults("PatchAttention"), **set_here}
 
 
-PATCH_NOTE = (
-    "Patch Attention: the model that comes out attends with the backend you pick; the model that goes in is "
-    "untouched.\n\n"
-    "Try first: backend = auto. On the first run it times the kernels this GPU can run on your model's attention "
-    "calls and keeps the fastest that stays close to exact attention (remembered for later runs); auto_exact does the "
-    "same among exact kernels only. log_stats prints which kernel ran, per call kind, after each run.\n\n"
-    "backend: a kernel by name, or sdpa (ComfyUI's own attention). fallback: calls a kernel cannot take go to the "
-    "fastest exact kernel, counted. start/end_percent: use the kernel only in this part of the schedule. "
-    "dense_layers: layers kept exact ('0-3, 10'). check_finite: redo a step whose 8-bit kernel returned NaN. sparse_start_percent: sparse "
-    "kernels (SpargeAttn, Sol-Attn) only from this part of the schedule on.\n\n"
-    "Attention Backends Info (below) shows what is installed and why a kernel cannot run here."
-)
+# What each input of the pack's nodes does, in a template's note (the tooltips say the same at more length), and why
+# a template sets an input away from the node's default: tests/test_workflows.py checks that every such input has
+# its reason in the note.
+EXPLAIN = {
+    ("PatchAttention", "backend"): "auto times the kernels this GPU runs on your model's attention calls and keeps the "
+                                   "fastest that stays close to exact attention (auto_exact: exact kernels only; a "
+                                   "name forces one kernel)",
+    ("PatchAttention", "fallback"): "a call the kernel cannot take runs on the fastest exact kernel, counted",
+    ("PatchAttention", "start_percent"): "the part of the sampling schedule (0-1) that uses the kernel",
+    ("PatchAttention", "end_percent"): None,  # explained with start_percent
+    ("PatchAttention", "dense_layers"): "layers kept exact, e.g. '0-3, 10' (empty: none)",
+    ("PatchAttention", "log_stats"): "after each run the terminal lists which kernel ran, per kind of call",
+    ("PatchAttention", "auto_retune"): "auto uses what it measured before on this GPU unless on",
+    ("PatchAttention", "auto_min_cos"): "how close to exact attention auto must stay: cosine similarity at least "
+                                        "this, relative L1 error at most auto_max_rel_l1 (0.08 = 8 %)",
+    ("PatchAttention", "auto_max_rel_l1"): None,  # explained with auto_min_cos
+    ("PatchAttention", "check_finite"): "a step whose 8-bit kernel returned NaN (a black image) is redone on an "
+                                        "exact kernel",
+    ("PatchAttention", "sparse_start_percent"): "sparse kernels (SpargeAttn, Sol-Attn) run from this part of the "
+                                                "schedule on",
+    ("TuneSpargeAttn", "variant"): "the kernel tuned for: sparge (SpargeAttn); kitchen_sol tunes Sol-Attn",
+    ("TuneSpargeAttn", "error_budget"): "the largest relative L1 error against dense attention a layer may have "
+                                        "(0.07 = 7 %)",
+    ("TuneSpargeAttn", "profile_name"): "the file the run writes in models/sparge_profiles",
+    ("TuneSpargeAttn", "pvthreshd_values"): "the PV-stage thresholds searched (each one more multiplies the tuning "
+                                            "time)",
+    ("SpargeAttnSettings", "variant"): "the SpargeAttn kernel the profile was tuned for",
+    ("SpargeAttnSettings", "simthreshd1"): "SpargeAttn's defaults, for layers the profile lacks",
+    ("SpargeAttnSettings", "cdfthreshd"): None,
+    ("SpargeAttnSettings", "pvthreshd"): None,
+    ("SpargeAttnSettings", "topk"): None,
+    ("SpargeAttnSettings", "profile"): "the per-layer profile",
+    ("SpargeAttnSettings", "report_error_every"): "with log_stats, each layer's sparsity (N: also every N-th call's "
+                                                  "error, one dense call each)",
+}
+NOTE_WHY = {
+    ("PatchAttention", "log_stats"): "off by default",
+    ("PatchAttention", "backend"): "the kernel the profile was tuned for",
+    ("TuneSpargeAttn", "profile_name"): "named after the model it is tuned on",
+    ("SpargeAttnSettings", "profile"): "the file Tune Sparse Attention writes in run 1",
+}
+
+
+ONLY_SET = {("PatchAttention", "log_stats"): "the terminal lists which kernel ran after each run (off by default)"}
+
+
+def _fmt(v) -> str:
+    if isinstance(v, bool):
+        return "on" if v else "off"
+    if isinstance(v, float):
+        return f"{v:g}"
+    return "(empty)" if v == "" else str(v)
+
+
+def inputs_note(node_type: str, widgets: dict, only_set: bool = False) -> str:
+    """One line per input of a pack node as this template sets it: its value, what it does, and why where it is not
+    the node's default (``only_set``: those lines only, the defaults listed in one line)."""
+    base = defaults(node_type)
+    lines = []
+    names = IO[node_type][1]
+    if only_set:
+        off = [n for n in names if widgets[n] != base[n]]
+        lines = [f"- {n} {_fmt(widgets[n])}: {ONLY_SET.get((node_type, n), NOTE_WHY[(node_type, n)])}." for n in off]
+        rest = ", ".join(f"{n} {_fmt(widgets[n])}" for n in names if n not in off)
+        return "\n".join(lines + [f"The node's defaults: {rest}."])
+    for i, name in enumerate(names):
+        what = EXPLAIN[(node_type, name)]
+        if what is None:
+            continue
+        shown = [name]
+        for nxt in names[i + 1:]:  # the inputs explained with this one
+            if EXPLAIN[(node_type, nxt)] is not None:
+                break
+            shown.append(nxt)
+        value = " / ".join(f"{n} {_fmt(widgets[n])}" for n in shown)
+        why = [NOTE_WHY[(node_type, n)] for n in shown if widgets[n] != base[n]]
+        lines.append(f"- {value}: {what}" + (f"; {'; '.join(why)}" if why else "") + ".")
+    off = [n for n in names if widgets[n] != base[n]]
+    tail = f"Every value but {', '.join(off)} is the node's default." if off else "Every value is the node's default."
+    return "\n".join(lines + [tail])
+
+
+def patch_note(widgets: dict, measured: str, extra: str = "") -> str:
+    return (
+        "Patch Attention: the model that comes out attends with the kernel you pick; the one that goes in is "
+        "untouched.\n" + inputs_note("PatchAttention", widgets) + "\n\n" + extra + measured +
+        "\n\nAttention Backends Info lists what is installed and why a kernel cannot run here (its report shows on "
+        "the node)."
+    )
 
 
 def _rows(name):
@@ -109,43 +254,49 @@ def measured():
     docs/end-to-end.md quote one number."""
     wan = _rows("e2e-exact-wan-1.3b-h100.json")
     unp, auto = wan[("wan-1.3b", "unpatched")], wan[("wan-1.3b", "auto")]
+    old = _rows("e2e-exact-wan-1.3b-0.3.64-h100.json")[("wan-1.3b", "auto")]  # the same model and size on 0.3.64
     flux = _rows("e2e-exact-image-h100.json")[("flux-dev", "auto")]
     img = _rows("e2e-image-h100-paired.json")
     sd15, sdxl = img[("sd15", "auto")]["paired"]["vs_unpatched"], img[("sdxl", "auto")]["paired"]["vs_unpatched"]
     return {
         "wan": f"\u00d7{auto['whole_vs_unpatched']:.2f}",
         "wan_exact": f"\u00d7{auto['whole_vs_unpatched']:.3f}",
+        "wan_0364": f"\u00d7{old['whole_vs_unpatched']:.2f}",
         "wan_note": (
-            f"Measured on one H100 with ComfyUI 0.33, this model at this size (480p, 81 frames), {auto['steps']} steps, "
-            f"random weights: auto took {auto['s_per_step_whole']:.2f} s per step against "
-            f"{unp['s_per_step_whole']:.2f} s unpatched (ComfyUI's own attention, which runs PyTorch's flash kernel "
-            f"there): \u00d7{auto['whole_vs_unpatched']:.2f} over the whole run. Other GPUs are not measured: the "
+            f"Measured on one H100, this model at this size (480p, 81 frames), random weights: on ComfyUI 0.33 auto "
+            f"took {auto['s_per_step_whole']:.2f} s per step against {unp['s_per_step_whole']:.2f} s unpatched "
+            f"(ComfyUI's own attention, PyTorch's flash kernel there), \u00d7{auto['whole_vs_unpatched']:.2f} over a "
+            f"{auto['steps']}-step run; on ComfyUI 0.3.64, whose unpatched attention runs cuDNN, "
+            f"\u00d7{old['whole_vs_unpatched']:.2f} over a {old['steps']}-step run. Other GPUs are not measured: the "
             "Attention Benchmark (end to end) node measures yours."),
         "flux": f"\u00d7{flux['vs_unpatched']:.2f}",
         "flux_note": (
             f"Measured on one H100 with ComfyUI 0.33, Flux-dev at 1024x1024, random weights: auto ran "
             f"\u00d7{flux['vs_unpatched']:.2f} per step against unpatched (ComfyUI's own attention, PyTorch's flash "
-            f"kernel there; auto ran {_shares(flux['kernels'])}). Other GPUs are not measured: the "
-            "Attention Benchmark (end to end) node measures yours."),
+            f"kernel there; auto ran {_shares(flux['kernels'])}). Not measured on ComfyUI 0.3.64 with FlashAttention-4 "
+            "or on other GPUs: the Attention Benchmark (end to end) node measures yours."),
         "sd_note": (
             "Measured on one H100 with ComfyUI 0.3.64, random weights, 20 rounds: against unpatched, auto ran "
             f"SD1.5 \u00d7{sd15[0]:.2f} (95 % interval {sd15[1]:.2f}-{sd15[2]:.2f}) and SDXL \u00d7{sdxl[0]:.2f} "
             f"({sdxl[1]:.2f}-{sdxl[2]:.2f}) per step: no difference beyond the noise. These models keep an H100 "
-            "waiting on the CPU, not on attention. Other GPUs are not measured: the Attention Benchmark (end to end) "
-            "node measures yours."),
+            "waiting on the CPU, not on attention. Not measured this way on ComfyUI 0.33 or on other GPUs: the "
+            "Attention Benchmark (end to end) node measures yours."),
     }
 
 
 MEASURED = measured()
+# groups as (title, key), left to right and top to bottom as layout() places them (the order that fits best)
+GROUPS = [("Load", 0), ("Prompt and latent", 2), ("Patch attention", 1), ("Sample", 3), ("Decode and save", 4)]
 
 
 def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
+    pw = patch_widgets(log_stats=True)
     return {
-        "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
+        "groups": GROUPS,
         "nodes": [
             (1, "CheckpointLoaderSimple", {"ckpt_name": ckpt}, {}, 0),
-            (10, "Note", {"text": PATCH_NOTE + "\n\n" + MEASURED["sd_note"]}, {}, 1),
-            (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}, 1),
+            (10, "Note", {"text": patch_note(pw, MEASURED["sd_note"])}, {}, 1),
+            (2, "PatchAttention", pw, {"model": (1, 0)}, 1),
             (9, "AttentionBackendsInfo", {}, {}, 1),
             (3, "CLIPTextEncode", {"text": prompt}, {"clip": (1, 1)}, 2),
             (4, "CLIPTextEncode", {"text": "blurry, low quality"}, {"clip": (1, 1)}, 2),
@@ -159,15 +310,16 @@ def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
 
 
 def flux_graph():
+    pw = patch_widgets(log_stats=True)
     return {
-        "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
+        "groups": [GROUPS[i] for i in (0, 2, 1, 3, 4)],
         "nodes": [
             (1, "UNETLoader", {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}, {}, 0),
             (3, "DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux",
                                    "device": "default"}, {}, 0),
             (9, "VAELoader", {"vae_name": "ae.safetensors"}, {}, 0),
-            (13, "Note", {"text": PATCH_NOTE + "\n\n" + MEASURED["flux_note"]}, {}, 1),
-            (2, "PatchAttention", patch_widgets(), {"model": (1, 0)}, 1),
+            (13, "Note", {"text": patch_note(pw, MEASURED["flux_note"])}, {}, 1),
+            (2, "PatchAttention", pw, {"model": (1, 0)}, 1),
             (12, "AttentionBackendsInfo", {}, {}, 1),
             (4, "CLIPTextEncode", {"text": "a lighthouse on a cliff at dawn, photograph"}, {"clip": (3, 0)}, 2),
             (5, "FluxGuidance", {"guidance": 3.5}, {"conditioning": (4, 0)}, 2),
@@ -185,18 +337,21 @@ def flux_graph():
 WAN_FRAMES = 81  # the size the numbers in the note were measured at
 WAN_FILES = {"unet": "wan2.1_t2v_1.3B_fp16.safetensors", "clip": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
              "vae": "wan_2.1_vae.safetensors"}  # the names ComfyUI's own Wan 2.1 example uses
+WAN_SAMPLING = ("30 uni_pc steps, cfg 6 and shift 8 are ComfyUI's own Wan 2.1 example's; 81 frames is the size "
+                "measured below. ")
 
 
 def wan_graph():
+    pw = patch_widgets(log_stats=True)
     return {
-        "groups": [("Load", 0), ("Patch attention", 1), ("Prompt and latent", 2), ("Sample", 3), ("Decode and save", 4)],
+        "groups": GROUPS,
         "nodes": [
             (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
             (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
             (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
             (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
-            (13, "Note", {"text": PATCH_NOTE + "\n\nVideo is where kernels pay most. " + MEASURED["wan_note"]}, {}, 1),
-            (5, "PatchAttention", patch_widgets(), {"model": (4, 0)}, 1),
+            (13, "Note", {"text": patch_note(pw, MEASURED["wan_note"], WAN_SAMPLING)}, {}, 1),
+            (5, "PatchAttention", pw, {"model": (4, 0)}, 1),
             (12, "AttentionBackendsInfo", {}, {}, 1),
             (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
              {"clip": (2, 0)}, 2),
@@ -211,57 +366,61 @@ def wan_graph():
     }
 
 
-SPARGE_NOTE = (
-    "Sparse attention tuned per layer (SpargeAttn), in two runs.\n\n"
-    "1. Queue once as it is: Tune Sparse Attention samples dense and, for every attention layer, finds the sparsest "
-    "SpargeAttn thresholds within the error budget; it writes models/sparge_profiles/wan2.1_t2v_1.3B.json.\n\n"
-    "2. Then select the muted group below (click its title) and press Ctrl+M to un-mute it, mute group 1 the same "
-    "way, and queue again: SpargeAttn Settings loads the profile and Patch Attention samples with it.\n\n"
-    "A profile belongs to one model file; another model is refused with the reason.\n\n"
-    "SpargeAttn is installed on Linux only (install.py builds it there; Windows installs have none, and "
-    "Attention Backends Info says so). Without it, set variant to kitchen_sol in Tune Sparse Attention and use a "
-    "Sol-Attn Settings node instead of SpargeAttn Settings (Sol-Attn needs comfy-kitchen 0.2.40 or later), or "
-    "sample with backend = auto."
+TUNE_WIDGETS = {**defaults("TuneSpargeAttn"), "variant": "sparge", "profile_name": "wan2.1_t2v_1.3B"}
+SETTINGS_WIDGETS = {**defaults("SpargeAttnSettings"), "variant": "sparge", "profile": "wan2.1_t2v_1.3B.json"}
+SPARSE_PATCH = patch_widgets(backend="sparge", log_stats=True)
+TUNE_NOTE = (
+    "Sparse attention tuned per layer, in two runs. 1. Queue as it is: Tune Sparse Attention samples dense, finds "
+    "each layer's sparsest SpargeAttn thresholds within the error budget and writes them to "
+    "models/sparge_profiles.\n"
+    + inputs_note("TuneSpargeAttn", TUNE_WIDGETS) + "\n\nSpargeAttn is installed on Linux only (install.py builds it "
+    "there; Windows has none). Without it, set variant to kitchen_sol and use a Sol-Attn Settings node instead of "
+    "SpargeAttn Settings (it needs comfy-kitchen 0.2.40 or later), or sample with backend = auto."
+)
+SAMPLE_NOTE = (
+    "2. After run 1: click this group's title and press Ctrl+M to un-mute it, mute group 1 the same way, and queue "
+    "again. The profile fits one model file only.\n"
+    "SpargeAttn Settings:\n" + inputs_note("SpargeAttnSettings", SETTINGS_WIDGETS) + "\n"
+    "Patch Attention:\n" + inputs_note("PatchAttention", SPARSE_PATCH, only_set=True) + " The Wan 2.1 video "
+    "template's note explains each of them."
 )
 
 
 def sparge_graph():
     return {
-        "groups": [("Load", 0), ("Prompt and latent", 1), ("1 · Tune Sparse Attention (run once)", 2),
+        "groups": [("Load", 0), ("1 · Tune Sparse Attention (run once)", 2), ("Prompt and latent", 1),
                    ("2 · Sample with the profile (un-mute after run 1)", 3)],
         "nodes": [
             (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
             (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
             (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
             (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
-            (20, "Note", {"text": SPARGE_NOTE}, {}, 1),
+
             (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
              {"clip": (2, 0)}, 1),
             (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 1),
             (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": WAN_FRAMES, "batch_size": 1}, {}, 1),
-            (9, "TuneSpargeAttn", {"variant": "sparge", "error_budget": 0.05, "profile_name": "wan2.1_t2v_1.3B",
-                                   "pvthreshd_values": "50"}, {"model": (4, 0)}, 2),
+            (9, "TuneSpargeAttn", TUNE_WIDGETS, {"model": (4, 0)}, 2),
+            (20, "Note", {"text": TUNE_NOTE}, {}, 2),
             (10, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
              {"model": (9, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 2),
             (11, "VAEDecode", {}, {"samples": (10, 0), "vae": (3, 0)}, 2),
             (12, "SaveAnimatedWEBP", {"filename_prefix": "sparge_tuning_run", "fps": 16.0, "lossless": False, "quality": 90,
                                       "method": "default"}, {"images": (11, 0)}, 2),
-            (13, "SpargeAttnSettings", {"variant": "sparge", "simthreshd1": 0.6, "cdfthreshd": 0.98, "pvthreshd": 50.0,
-                                        "topk": 0.5, "profile": "wan2.1_t2v_1.3B.json", "report_error_every": 0}, {}, 3, 2),
-            (14, "PatchAttention", patch_widgets(backend="sparge"), {"model": (4, 0), "sparge_settings": (13, 0)}, 3, 2),
+            (21, "Note", {"text": SAMPLE_NOTE}, {}, 3),
+            (13, "SpargeAttnSettings", SETTINGS_WIDGETS, {}, 3, 2),
+            (14, "PatchAttention", SPARSE_PATCH, {"model": (4, 0), "sparse_settings": (13, 0)}, 3, 2),
             (15, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
              {"model": (14, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3, 2),
             (16, "VAEDecode", {}, {"samples": (15, 0), "vae": (3, 0)}, 3, 2),
             (17, "SaveAnimatedWEBP", {"filename_prefix": "sparge_profile_run", "fps": 16.0, "lossless": False, "quality": 90,
                                       "method": "default"}, {"images": (16, 0)}, 3, 2),
         ],
-        # group 2 is laid out as a row under group 1, not as a column
-        "rows": {3: 2},
     }
 
 
 def _nodes(graph):
-    """(id, type, widgets, links, column, mode) for every node."""
+    """(id, type, widgets, links, group, mode) for every node."""
     for n in graph["nodes"]:
         nid, typ, widgets, links, col = n[:5]
         yield nid, typ, widgets, links, col, (n[5] if len(n) > 5 else 0)
@@ -279,33 +438,87 @@ def to_api(graph):
     return api
 
 
+def _cuts(items: list) -> list:
+    """Every way to cut ``items`` (in their order) into consecutive runs."""
+    out = []
+    for cuts in range(1 << max(0, len(items) - 1)):
+        runs = [[items[0]]]
+        for i, x in enumerate(items[1:]):
+            if cuts >> i & 1:
+                runs.append([x])
+            else:
+                runs[-1].append(x)
+        out.append(runs)
+    return out
+
+
+def _group_box(sizes: list, parts: int):
+    """A group's nodes (sizes, in order) in ``parts`` side-by-side stacks, the lowest such layout: (width, height,
+    [[node index]]), or None when there are fewer nodes than stacks."""
+    best = None
+    for runs in _cuts(list(range(len(sizes)))):
+        if len(runs) != parts:
+            continue
+        w = sum(max(sizes[i][0] for i in r) for r in runs) + COL_GAP * (len(runs) - 1) + GROUP_PAD
+        h = GROUP_TITLE + max(sum(sizes[i][1] for i in r) + STEP * (len(r) - 1) for r in runs) + GROUP_PAD
+        if best is None or h < best[1]:
+            best = (w, h, runs)
+    return best
+
+
+def fit(width: float, height: float) -> float:
+    """The largest scale (at most 1: the frontend's own size) at which a graph this big fits the VIEW."""
+    left, top, right, bottom = VIEW
+    return min(1.0, (right - left) / width, (bottom - top) / height)
+
+
 def layout(graph):
-    """Node positions: one column per group, stacked top to bottom; a group listed in ``rows`` is laid out as a row
-    below the group it names.  Returns ({id: (pos, size)}, [(title, bounding)])."""
-    cols = {}
+    """Node positions. A group's nodes stand in one to four stacks side by side; the groups (in their order) stand in
+    columns, top to bottom. Of every such layout, the one whose graph fits the window at the largest scale.
+    Returns ({id: (pos, size)}, [(title, bounding)], (width, height))."""
+    import itertools
+
+    members = {}
     for nid, typ, widgets, _l, col, _m in _nodes(graph):
-        cols.setdefault(col, []).append((nid, node_size(typ, widgets)))
-    rows = graph.get("rows", {})
+        members.setdefault(col, []).append((nid, node_size(typ, widgets)))
+    order = [c for _, c in graph["groups"]]
+    options = {c: [b for k in (1, 2, 3, 4) if (b := _group_box([s for _, s in members[c]], k))] for c in order}
+    best = None
+    for pick in itertools.product(*(range(len(options[c])) for c in order)):
+        boxes = {c: options[c][k] for c, k in zip(order, pick)}
+        for cols in _cuts(order):
+            w = sum(max(boxes[g][0] for g in col) for col in cols) + COL_GAP * (len(cols) - 1)
+            h = max(sum(boxes[g][1] for g in col) + COL_GAP * (len(col) - 1) for col in cols)
+            if best is None or fit(w, h) > fit(*best[2]) + 1e-9:
+                best = (boxes, cols, (w, h))
+    boxes, cols, size = best
     place, bounds = {}, {}
-    x = 40
-    for col in sorted(c for c in cols if c not in rows):
-        y = 40 + GROUP_TITLE
-        w = max(s[0] for _, s in cols[col])
-        for nid, size in cols[col]:
-            place[nid] = ([x + GROUP_PAD / 2, y], size)
-            y += size[1] + ROW_GAP
-        bounds[col] = [x, 40, w + GROUP_PAD, y - 40]
-        x += w + GROUP_PAD + COL_GAP
-    for col, under in rows.items():
-        top = max(b[1] + b[3] for b in bounds.values()) + COL_GAP
-        x = bounds[under][0]
-        h = max(s[1] for _, s in cols[col])
-        for nid, size in cols[col]:
-            place[nid] = ([x + GROUP_PAD / 2, top + GROUP_TITLE], size)
-            x += size[0] + COL_GAP
-        bounds[col] = [bounds[under][0], top, x - bounds[under][0], h + GROUP_TITLE + ROW_GAP]
-    titles = dict((c, t) for t, c in graph["groups"])
-    return place, [(titles[c], bounds[c]) for c in sorted(bounds)]
+    x = 0
+    for col in cols:
+        cw = max(boxes[g][0] for g in col)
+        y = 0
+        for g in col:
+            sx = x + GROUP_PAD / 2
+            for run in boxes[g][2]:
+                gy = y + GROUP_TITLE
+                for i in run:
+                    nid, ns = members[g][i]
+                    place[nid] = ([sx, gy], ns)
+                    gy += ns[1] + STEP
+                sx += max(members[g][i][1][0] for i in run) + COL_GAP
+            bounds[g] = [x, y, cw, boxes[g][1]]
+            y += boxes[g][1] + COL_GAP
+        x += cw + COL_GAP
+    titles = {c: t for t, c in graph["groups"]}
+    return place, [(titles[c], bounds[c]) for c in order], size
+
+
+def view(size) -> dict:
+    """extra.ds: the graph (origin at 0, 0) fitted to the VIEW of a WINDOW-sized browser window, centred across."""
+    scale = fit(*size)
+    left, top, right, _ = VIEW
+    x = left + ((right - left) - size[0] * scale) / 2
+    return {"scale": round(scale, 4), "offset": [round(x / scale, 1), round(top / scale, 1)]}
 
 
 def to_ui(graph):
@@ -323,7 +536,7 @@ def to_ui(graph):
     for lid_, src, slot, dst, name in links:
         in_types = dict(IO[types[dst]][0])
         ui_links.append([lid_, src, slot, dst, [n for n, _ in IO[types[dst]][0]].index(name), in_types[name]])
-    place, groups = layout(graph)
+    place, groups, size = layout(graph)
     for order, (nid, typ, widgets, _ins, _col, mode) in enumerate(items):
         link_ins, widget_names, outs = IO[typ]
         values = []
@@ -335,29 +548,30 @@ def to_ui(graph):
         for name, t in link_ins:
             link = next((lid_ for lid_, s, sl, d, n in links if d == nid and n == name), None)
             slot = {"name": name, "type": t, "link": link}
-            if (typ, name) in LABELS:
-                slot["label"] = LABELS[(typ, name)]
             if (typ, name) in OPTIONAL_LINKS:
                 slot["shape"] = 7
             inputs.append(slot)
         outputs = [{"name": n, "type": t, "links": out_links.get((nid, k), []), "slot_index": k} for k, (n, t) in enumerate(outs)]
-        pos, size = place[nid]
-        node = {"id": nid, "type": typ, "pos": pos, "size": size, "flags": {}, "order": order, "mode": mode,
-                "inputs": inputs, "outputs": outputs, "properties": {"Node name for S&R": typ}, "widgets_values": values}
+        pos, nsize = place[nid]
+        properties = {"Node name for S&R": typ}
+        if models_of(typ, widgets):
+            properties["models"] = models_of(typ, widgets)
+        node = {"id": nid, "type": typ, "pos": pos, "size": nsize, "flags": {}, "order": order, "mode": mode,
+                "inputs": inputs, "outputs": outputs, "properties": properties, "widgets_values": values}
         if typ == "Note":
             node["color"], node["bgcolor"] = "#432", "#653"
         nodes.append(node)
     return {
         "last_node_id": max(n["id"] for n in nodes), "last_link_id": lid, "nodes": nodes, "links": ui_links,
         "groups": [{"title": t, "bounding": b, "color": "#3f789e", "font_size": 24, "flags": {}} for t, b in groups],
-        "config": {}, "extra": {"ds": {"scale": 0.6, "offset": [0, 0]}}, "version": 0.4,
+        "config": {}, "extra": {"ds": view(size)}, "version": 0.4,
     }
 
 
 # File name = the template's title in ComfyUI's template browser (frontend 1.49 shows custom nodes' templates by
 # file name, with no index of titles or descriptions).
 WORKFLOWS = {
-    "SD 1.5 image 512px": sd_graph("v1-5-pruned-emaonly.safetensors", 512, 20, 7.0, "euler", "normal",
+    "SD 1.5 image 512px": sd_graph("v1-5-pruned-emaonly-fp16.safetensors", 512, 20, 7.0, "euler", "normal",
                                    "a watercolor fox in a snowy forest"),
     "SDXL image 1024px": sd_graph("sd_xl_base_1.0.safetensors", 1024, 25, 6.0, "dpmpp_2m", "karras",
                                   "a red vintage car on a coastal road, golden hour"),
@@ -383,16 +597,17 @@ DESCRIPTIONS = {
 
 def thumbnails(shots: str, size: int = 512):
     """workflows/<name>.jpg: the graph (from tests/test_browser.py's screenshot) above the template's description."""
-    from PIL import Image, ImageChops, ImageFont
+    from PIL import Image, ImageFont
 
     band = 150
     font = ImageFont.load_default(size=26)
-    for name in WORKFLOWS:
+    for name, graph in WORKFLOWS.items():
         shot = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
-        shot = shot.crop((60, 60, min(shot.width, 1900), min(shot.height, 1250)))  # the canvas, without the side bar
-        box = ImageChops.difference(shot, Image.new("RGB", shot.size, shot.getpixel((shot.width - 1, shot.height - 1))))
-        bbox = box.convert("L").point(lambda v: 255 if v > 24 else 0).getbbox() or (0, 0, shot.width, shot.height)
-        shot = shot.crop(bbox)
+        # the graph where its saved view puts it (ComfyUI 0.33's frontend: the canvas fills the window)
+        ds = view(layout(graph)[2])
+        (ox, oy), sc = ds["offset"], ds["scale"]
+        width, height = layout(graph)[2]
+        shot = shot.crop((int(ox * sc), int(oy * sc), int((ox + width) * sc), int((oy + height) * sc)))
         shot.thumbnail((size - 16, size - band - 16))
         card = Image.new("RGB", (size, size), (32, 32, 36))
         card.paste(shot, ((size - shot.width) // 2, 8 + (size - band - 16 - shot.height) // 2))
@@ -429,11 +644,24 @@ def recaption(names=()):
     print("captions for", ", ".join(names or WORKFLOWS))
 
 
+def report_picture(shots: str, out: str = os.path.join(ROOT, "docs", "report-on-canvas.png")):
+    """docs/report-on-canvas.png: the two report nodes from tests/test_browser.py's report-on-canvas.png (ComfyUI 0.33's
+    frontend, 1600x1000 window), cut to the nodes."""
+    from PIL import Image
+
+    shot = Image.open(os.path.join(shots, "report-on-canvas.png")).convert("RGB")
+    shot = shot.crop((90, 100, min(shot.width, 1562), min(shot.height, 722)))  # the two nodes, below the top bar
+    shot.save(out, optimize=True)
+    print("wrote", os.path.relpath(out, ROOT), shot.size)
+
+
 def main():
     import sys
 
     if "--thumbnails" in sys.argv:
         return thumbnails(sys.argv[sys.argv.index("--thumbnails") + 1])
+    if "--report-picture" in sys.argv:
+        return report_picture(sys.argv[sys.argv.index("--report-picture") + 1])
     if "--captions" in sys.argv:
         return recaption(sys.argv[sys.argv.index("--captions") + 1:])
     os.makedirs(os.path.join(OUT, "api"), exist_ok=True)
