@@ -61,7 +61,7 @@ def _peak(fn, device=None):
 def _rows(include, exclude, device=None):
     """The backends to time: usable here; on a CPU, those that run on it (SDPA, its math kernel)."""
     if device is not None and device.type != "cuda":
-        from .calls import make_spec
+        from ..attention.calls import make_spec
 
         q = torch.empty((1, 64, 1, 64), device="meta")
         spec = make_spec(q, q, q, "NHD", None).replace(device_type=device.type, dtype=torch.float32)

@@ -683,6 +683,8 @@ CONTEXT_PARALLEL = Node(
     ],
     outputs=[("MODEL", "model")],
     fn=run_context_parallel,
+    search_aliases=["multi gpu", "multigpu", "multiple gpus", "two gpus", "2 gpus", "context parallel",
+                    "sequence parallel", "ulysses", "usp", "xdit", "distributed", "speed up", "faster"],
 )
 
 NODES = [PATCH, SPARGE, SOL, TUNE, INFO, BENCH, BENCH_E2E, CONTEXT_PARALLEL]

@@ -172,8 +172,8 @@ def test_prompt_with_patch_attention_succeeds(server):
     assert "Patch Attention (sdpa_math)" in log and "sdpa_math" in log and "6 calls" in log
 
 
-def run_prompt(url, base, prompt, timeout=120):
-    """Queue ``prompt``; (history entry, status) once it finished or failed."""
+def finished_prompt(url, base, prompt, timeout=120):
+    """Queue ``prompt``; its history entry once it finished or failed (:func:`run_prompt` fails the test on an error)."""
     pid = post(url + "/prompt", {"prompt": prompt, "client_id": "pa-test"})["prompt_id"]
     deadline = time.time() + timeout
     while time.time() < deadline:
@@ -205,7 +205,7 @@ def test_a_prompt_with_the_settings_input_s_current_or_earlier_id_reaches_patch_
                                                    "latent_image": ["5", 0], "denoise": 1.0}},
         "7": {"class_type": "SaveLatent", "inputs": {"samples": ["6", 0], "filename_prefix": "pa_rename"}},
     }
-    entry = run_prompt(url, base, prompt)
+    entry = finished_prompt(url, base, prompt)
     status = entry["status"]
     assert status["status_str"] == "error", status
     err = next(m[1] for m in status["messages"] if m[0] == "execution_error")
@@ -214,4 +214,4 @@ def test_a_prompt_with_the_settings_input_s_current_or_earlier_id_reaches_patch_
                                                "backend is sdpa_math"), err["exception_message"]
     # and with the settings' own kernel the same prompt runs (on the CPU SpargeAttn is absent: the fastest exact kernel)
     prompt["3"]["inputs"]["backend"] = "sparge"
-    assert run_prompt(url, base, prompt)["status"]["status_str"] == "success"
+    assert finished_prompt(url, base, prompt)["status"]["status_str"] == "success"

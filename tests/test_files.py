@@ -139,7 +139,7 @@ def _prompt_with(node_id: str, inputs: dict) -> dict:
                     "SolAttnSettings": {"method": "kitchen_sol", "tau": 1.3, "keep_percent": 20.0, "extra_tokens": 256,
                                         "min_tokens": 4096}}[node_id]
         base["2"] = {"class_type": node_id, "inputs": {**settings, **inputs}}
-        base["5"] = {"class_type": "PatchAttention", "inputs": {**patch, "sparge_settings": ["2", 0]}}
+        base["5"] = {"class_type": "PatchAttention", "inputs": {**patch, "sparse_settings": ["2", 0]}}
     return base
 
 
@@ -174,8 +174,9 @@ def test_every_file_input_refuses_hostile_names_in_comfyuis_prompt_validation(se
                 bad = str(base / "evil")
             if bad == "/etc/passwd":
                 bad = str(outside)
-            with pytest.raises(urllib.error.HTTPError) as err:
-                post(url + "/prompt", {"prompt": _prompt_with(node_id, make(bad)), "client_id": "pa-files"})
+            with pytest.raises(urllib.error.HTTPError, match="") as err:
+                accepted = post(url + "/prompt", {"prompt": _prompt_with(node_id, make(bad)), "client_id": "pa-files"})
+                pytest.fail(f"{node_id} accepted {bad!r}: {accepted}")
             body = json.loads(err.value.read())
             details = [e.get("details", "") + e.get("message", "") for n in body.get("node_errors", {}).values()
                        for e in n["errors"]]

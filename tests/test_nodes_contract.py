@@ -1,5 +1,6 @@
 """The node layer's contract, without ComfyUI: definitions, classic mappings, parsing, the override callable."""
 
+import importlib
 import re
 
 import pytest
@@ -104,19 +105,20 @@ def test_an_input_renamed_still_takes_its_old_id_and_errors_name_the_node():
     assert spec.old_names == ("sparge_settings",)
 
 
-def test_a_sol_attn_settings_error_names_that_node_and_no_other_kernel(tmp_path):
+def test_a_sol_attn_settings_error_names_that_node_and_no_other_kernel(tmp_path, monkeypatch):
+    monkeypatch.setattr(P.nodes.files, "folders", lambda: [str(tmp_path)])  # models/sparge_profiles
     prof = P.attention.sparge_profile.SpargeProfile(variant="sparge", layers={0: {"cdfthreshd": 0.9}})
     prof.save(str(tmp_path / "p.json"))
     cls = v1.NODE_CLASS_MAPPINGS["SolAttnSettings"]
-    for bad, msg in [(tmp_path / "p.json", "tuned for sparge, this node selects kitchen_sol"),
-                     (tmp_path / "missing.json", "profile not found")]:
+    for bad, msg in [("p.json", "tuned for sparge, this node selects kitchen_sol"),
+                     ("missing.json", "is not in models/sparge_profiles")]:
         with pytest.raises((ValueError, FileNotFoundError)) as e:
-            cls().run(method="kitchen_sol", profile=str(bad))
+            cls().run(method="kitchen_sol", profile=bad)
         assert str(e.value).startswith("Sol-Attn Settings: ") and msg in str(e.value), str(e.value)
         assert "SpargeAttn" not in str(e.value)
     (tmp_path / "x.json").write_text('{"format": "something else"}')
     with pytest.raises(ValueError, match="^Sol-Attn Settings: not a sparse-attention profile"):
-        cls().run(method="kitchen_sol", profile=str(tmp_path / "x.json"))
+        cls().run(method="kitchen_sol", profile="x.json")
 
 
 @pytest.mark.parametrize(
@@ -226,7 +228,7 @@ def test_benchmark_node_without_a_gpu_times_sdpa_on_the_cpu_and_says_so():
 
 
 def test_benchmark_rows_are_counted_for_the_progress_bar():
-    bench = P.attention.bench
+    bench = importlib.import_module(P.__name__ + ".measure.bench")
     ticks = []
     table = bench.parse_shapes([], ["1,1,64,32"])
     table = {k: v for k, v in table.items() if k == "1,1,64,32"}
