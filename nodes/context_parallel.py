@@ -5,8 +5,9 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
 - **The GPUs' copies of the model**: ComfyUI's own MultiGPU deep clones (``comfy.multigpu.create_multigpu_deepclones``,
   ComfyUI 0.33+), which ComfyUI loads on each GPU at sampling start and keeps in step with the model's patches (LoRA,
   ...).  ComfyUI would use them to run the conds of a step on different GPUs (MultiGPU CFG Split); here the conds stay
-  batched on the first GPU and every forward is split by tokens over all GPUs (with ``cfg_split``, each cond gets a
-  group of GPUs: 2 per cond on 4 GPUs).
+  batched on the first GPU and every forward is split by tokens over all GPUs; with ``cfg_split`` and CFG above 1, each
+  cond gets half of the GPUs (ComfyUI's cond scheduler over the halves' first GPUs; on 2 GPUs that is CFG Split itself,
+  which measured faster than splitting tokens at CFG 5: docs/multi-gpu.md).
 - **A SAMPLER_SAMPLE wrapper** (:class:`RunWrapper`): per sampling run, the GPUs' models and one worker thread per extra
   GPU; the run's messages (why a forward ran on one GPU) are said once.
 - **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
@@ -28,7 +29,7 @@ import torch
 
 from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
-from ..parallel.group import Group, GroupAborted, on_device
+from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
 from .hook import OVERRIDE_KEY, BoundWrapper, bind, host_function, take
 
@@ -195,7 +196,7 @@ class RunWrapper(BoundWrapper):
         extra = args[2] if len(args) > 2 else kwargs.get("extra_args")
         options = extra.get("model_options", {}) if isinstance(extra, dict) else {}
         base = getattr(getattr(guider, "model_patcher", None), "model", None)
-        groups, restore = self.groups(cp, options, base)
+        groups, restore = self.groups(cp, options, base, getattr(guider, "cfg", 1.0))
         run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if groups else None
         prev, cp.run = cp.run, run
         try:
@@ -210,7 +211,7 @@ class RunWrapper(BoundWrapper):
             restore()
 
     @staticmethod
-    def groups(cp, options: dict, base):
+    def groups(cp, options: dict, base, cfg: float = 1.0):
         """The run's groups of (device, model) and how to put the model options back afterwards."""
         if cp.simulate:
             dev = next(base.diffusion_model.parameters()).device
@@ -219,9 +220,8 @@ class RunWrapper(BoundWrapper):
         if not clones or len(clones) < 2:
             return [], lambda: None
         devices = list(clones)
-        n_groups = 2 if cp.cfg_split and len(devices) >= 4 else 1
-        size = len(devices) // n_groups
-        groups = [[(d, clones[d].model) for d in devices[i * size:(i + 1) * size]] for i in range(n_groups)]
+        n_groups = 2 if cp.cfg_split and cfg != 1.0 else 1  # CFG 1: one cond, every GPU on it
+        groups = [[(d, clones[d].model) for d in devices[a:a + n]] for a, n in split(len(devices), n_groups)]
         leaders = {g[0][0]: clones[g[0][0]] for g in groups}
         # the conds stay batched on the first GPU (one group), or go one group each (MultiGPU CFG Split over the
         # groups' first GPUs): ComfyUI's cond scheduler sees only the groups' first GPUs
@@ -368,7 +368,7 @@ class OneGpuNotice(BoundWrapper):
         return executor(*args, **kwargs)
 
 
-def context_parallel(model, gpus: int = 0, cfg_split: bool = False, simulate: int = 0):
+def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0):
     """A clone of ``model`` whose sampling runs split each forward's tokens over ``gpus`` GPUs (0: all); with
     ``cfg_split``, conds run on separate groups of GPUs.  ``simulate``: tests, that many ranks on the model's device.
     Where it cannot split (one GPU, ComfyUI before 0.33, a model family without a unit) it returns a clone that says

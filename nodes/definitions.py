@@ -656,7 +656,7 @@ INFO = Node(
 
 # ---------------------------------------------------------------- Context Parallel
 
-def run_context_parallel(model, gpus=0, cfg_split=False):
+def run_context_parallel(model, gpus=0, cfg_split=True):
     from .context_parallel import context_parallel
 
     return (context_parallel(model, gpus=int(gpus), cfg_split=bool(cfg_split)),)
@@ -678,8 +678,9 @@ CONTEXT_PARALLEL = Node(
     inputs=[
         In("model", "MODEL"),
         In("gpus", "INT", 0, "How many GPUs to split each step over (0: all of them).", min=0, max=64, step=1),
-        In("cfg_split", "BOOLEAN", False, "With CFG above 1 and 4 or more GPUs: run the positive and negative prompts "
-           "on separate halves of the GPUs, each split over its half. Off: both prompts together over all GPUs."),
+        In("cfg_split", "BOOLEAN", True, "On: with CFG above 1, the positive and negative prompts run on separate halves "
+           "of the GPUs (on 2 GPUs, one each: faster there), each split over its half. CFG 1, or off: every GPU splits "
+           "each step."),
     ],
     outputs=[("MODEL", "model")],
     fn=run_context_parallel,

@@ -290,8 +290,9 @@ def test_a_model_without_a_unit_samples_on_one_gpu_and_says_so_once(zoo):
 @pytest.mark.comfyui
 def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     """With ComfyUI's MultiGPU copies in the run's model options: one group of every GPU, the conds batched on the first
-    (its cond scheduler no longer sees the copies); with cfg_split on 4 GPUs, a group of 2 per cond (the scheduler sees
-    the groups' first GPUs); the options come back as they were after the run."""
+    (its cond scheduler no longer sees the copies); with cfg_split and CFG above 1, half of the GPUs per cond (the
+    scheduler sees the halves' first GPUs; on 2 GPUs, ComfyUI's CFG Split itself); at CFG 1 cfg_split changes nothing;
+    the options come back as they were after the run."""
     z, mod, mappings = zoo
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
 
@@ -302,41 +303,19 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     devs = [torch.device("cuda", i) for i in range(4)]
     clones = {d: Copy(i) for i, d in enumerate(devs)}
     opts = {"multigpu_clones": dict(clones)}
-    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0), opts, None)
-    assert groups == [[(d, f"model{i}") for i, d in enumerate(devs)]] and "multigpu_clones" not in opts
-    restore()
-    assert opts["multigpu_clones"] == clones
-    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), opts, None)
+    for cfg_split, cfg in ((False, 5.0), (True, 1.0)):
+        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=cfg_split), opts, None, cfg)
+        assert groups == [[(d, f"model{i}") for i, d in enumerate(devs)]] and "multigpu_clones" not in opts
+        restore()
+        assert opts["multigpu_clones"] == clones
+    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), opts, None, 5.0)
     assert groups == [[(devs[0], "model0"), (devs[1], "model1")], [(devs[2], "model2"), (devs[3], "model3")]]
     assert list(opts["multigpu_clones"]) == [devs[0], devs[2]]
     restore()
     assert opts["multigpu_clones"] == clones
-    # two GPUs and cfg_split: one group (a cond per GPU would leave nothing to split)
-    two = {"multigpu_clones": {d: clones[d] for d in devs[:2]}}
-    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), two, None)
-    assert len(groups) == 1 and len(groups[0]) == 2
-
-
-@pytest.mark.comfyui
-@pytest.mark.parametrize("n", [2, 3])
-def test_wan22_with_a_start_image_splits_its_per_frame_modulation(zoo, n):
-    """Wan 2.2 TI2V with a start image: the noise mask keeps the first frame, so the model gets a timestep per frame and
-    its modulation is one row per frame (spread over each frame's tokens): every GPU takes the rows of its tokens."""
-    import comfy.patcher_extension as pe
-
-    z, mod, mappings = zoo
-
-    def first_frame_kept(patcher):
-        def wrapper(executor, noise, latent_image, sampler, sigmas, denoise_mask=None, *args, **kwargs):
-            mask = torch.ones_like(noise)
-            mask[:, :, :1] = 0.0
-            return executor(noise, latent_image, sampler, sigmas, mask, *args, **kwargs)
-
-        m = patcher.clone()
-        pe.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, "start_image", wrapper, m.model_options, is_model_options=True)
-        return m
-
-    import comfy.supported_models as sm
-
-    case = z.with_(z.BUILDERS["WAN22_T2V"](sm.WAN22_T2V, False), latent=(1, 48, 3, 8, 8), patch=first_frame_kept)
-    check_split(zoo, "WAN22_T2V", n, case=case)
+    # two GPUs, CFG 5: a GPU per cond (CFG Split); three: two GPUs for the first cond, one for the second
+    for n, sizes in ((2, [1, 1]), (3, [2, 1])):
+        some = {"multigpu_clones": {d: clones[d] for d in devs[:n]}}
+        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), some, None, 5.0)
+        assert [len(g) for g in groups] == sizes
+        restore()
