@@ -11,8 +11,8 @@ again.  A run on exact kernels only is never checked: nothing there can put NaN 
 
 The same read takes ``auto``'s accuracy checks of a check step (:mod:`.recheck`): their sums, left on the device by
 the forward's calls, are read back with the NaN flags in one device read, never with a sync of their own.  A lossy
-choice found beyond the gate is refused and the forward computed again without it (one loop: a forward computed
-again is checked for NaN as any forward, and makes no accuracy checks).
+choice found beyond the gate is refused and the forward computed again without it, with the same checks (the kernel
+that replaces it is judged on this step too); a forward computed again to find or avoid NaN makes no accuracy checks.
 
 The wrapper also starts each forward of its sampling thread's lane: the layer counter back to 0, the step schedule and
 ``auto``'s check step read once per forward rather than per attention call. After the run's first forward, the
@@ -148,7 +148,6 @@ class ForwardWrapper(BoundWrapper):
             refused = split.any(bool(failed)) if split is not None and judged else bool(failed)
             if refused:
                 ov.refresh(ln)
-                ln.check_phase = None  # computed again below: no accuracy checks in a forward computed again
             redone = False
             if per_call:
                 if split is not None:
@@ -179,7 +178,9 @@ class ForwardWrapper(BoundWrapper):
                 cfg.take_nonfinite()
             if not refused or redone:
                 return out
-            ln.layer = 0  # a choice was refused: this forward again, without it (checked for NaN as any forward)
+            # a choice was refused: this forward again without it, checked as before (what replaces it too), until
+            # nothing is refused -- each refusal takes a candidate away for good, so this ends
+            ln.layer = 0
 
 
 def split_context(args, kwargs):
