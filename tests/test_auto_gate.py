@@ -133,9 +133,9 @@ def test_check_steps_judge_every_layer_without_a_read_of_their_own(kernels, read
     ov.hides_nan = hides_nan
     per_forward = []
     _run(ov, [10.0, 8.0, 6.0, 4.0, 2.0, 0.0], per_forward=per_forward, reads=reads)
-    assert set(sel.decisions.values()) == {GROW} and not sel.refused
     # step 10: tuning; then every forward: its sigma, and the NaN net's read with the gate's sums in it
     assert per_forward[1:] == [2, 2, 2, 2]
+    assert set(sel.decisions.values()) == {GROW} and not sel.refused
     m = cfg.stats.as_dict()["metrics"]
     for phase in ("first", "mid", "last"):  # steps 10, 6 and 2: all three layers
         assert m[f"{GROW}@gate-{phase}.rel_l1_vs_dense"]["n"] == 3
