@@ -97,9 +97,8 @@ class ForwardWrapper(BoundWrapper):
         if ov.sigma_range is not None or spot or ov.reads_sparse_phase(ln):
             sigma = as_float(sigma)  # read once for every use below: one sync per forward
         ln.active = ov.in_range(sigma) if ov.sigma_range is not None else True
-        was_sparse = cfg.sparse_ok
         ov.sparse_phase(ln, sigma)
-        ln.check_phase = ov.check_phase(ln, ov.phase_of(sigma) if spot else None, cfg.sparse_ok and not was_sparse)
+        ln.check_phase = ov.check_phase(ln, ov.phase_of(sigma) if spot else None)
         ln.check_round += ln.check_phase is not None
         ov.refresh(ln)  # another lane refused one of auto's choices: this lane's cached calls go
         ln.layer = 0

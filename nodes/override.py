@@ -72,6 +72,7 @@ class Lane:
         # this forward checks auto's lossy choices against dense attention: "first"/"sparse-start"/"mid"/"last"
         self.check_phase = None
         self.check_round = 0  # check forwards so far (each compares other query rows)
+        self.phases_run = set()  # the phases (sparse_ok) auto's calls have run in this run
         self.probes = []  # this forward's accuracy checks, their sums on the device (recheck.probe)
         self.gate_seen = 0  # the override's gate_version this lane's cached calls were made under
         self.first_forward = True
@@ -90,6 +91,7 @@ class Lane:
         self.layer_calls = {}
         self.checked = set()
         self.probes = []
+        self.phases_run = set()
         self.lean.clear()
         self.first_forward = True
         cfg.sparse_ok = True
@@ -286,14 +288,18 @@ class AttentionOverride:
         forward read its sigma for the phase (a device sync per forward)."""
         return bool(self.check_sigmas) and self.lossy_ran(ln)
 
-    def check_phase(self, ln: Lane, phase, sparse_started: bool):
+    def check_phase(self, ln: Lane, phase):
         """This forward's accuracy checks of auto's lossy choices (None: none): ``phase`` ("mid"/"last", from the
-        sigma); for ``auto`` also the run's first forward ("first") and the first of the sparse phase
-        ("sparse-start"), where the choices of that phase first run (see :mod:`.recheck`)."""
-        auto = ln.config.auto
-        if auto is None or phase is not None or not auto.over_run:
+        sigma); for ``auto`` also the first forward of the run whose calls it serves ("first": after
+        ``start_percent``) and the first of the sparse phase ("sparse-start"): where each phase's choices first run
+        in the run (see :mod:`.recheck`)."""
+        cfg = ln.config
+        if cfg.auto is None or not ln.active or cfg.sparse_ok in ln.phases_run:
             return phase
-        return "first" if ln.first_forward else "sparse-start" if sparse_started else None
+        ln.phases_run.add(cfg.sparse_ok)
+        if phase is not None or not cfg.auto.over_run:
+            return phase
+        return "first" if len(ln.phases_run) == 1 else "sparse-start"
 
     def refuse(self, ln: Lane, failed) -> None:
         """auto's lossy choices that left the gate in a forward of ``ln`` (``recheck.Failed``): refused for their

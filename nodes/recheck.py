@@ -4,8 +4,9 @@ lossy choices over the run.
 - **Audit.** The first call of each kind (shapes, mask) on an explicitly chosen lossy backend is compared with dense
   SDPA once; beyond ``auto``'s gate it is logged once and counted (the user chose it: it keeps running).
 - **auto: judged where it runs.** ``auto`` times its candidates on the first call of a signature; a lossy kernel's
-  error is not the same on every call (it grows with some layers and sigmas), so at the run's *check steps* -- its
-  first forward, the first forward of the sparse phase (``sparse_start_percent``), the middle and the last step --
+  error is not the same on every call (it grows with some layers and sigmas), so at the run's *check steps* -- the
+  first forward it serves (after ``start_percent``), the first of the sparse phase (``sparse_start_percent``), the
+  middle and the last step --
   every call ``auto`` serves with a lossy kernel (every layer, every signature in the phase it runs in) is compared
   with SDPA in the call's dtype on 1,024 of its query rows, spread over the call (``dispatch.error_sums``: about 1/32
   of a dense call at 32,760 tokens).  :func:`probe` leaves the comparison's five sums on the device; the forward's end

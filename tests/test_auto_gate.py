@@ -143,6 +143,20 @@ def test_check_steps_judge_every_layer_without_a_read_of_their_own(kernels, read
     assert not any(k.startswith(f"{GROW}@gate-") and "sparse" in k for k in m)  # no sparse schedule here
 
 
+def test_the_first_check_is_where_auto_first_runs(kernels):
+    """With start_percent, the forwards before it run dense (no choice of auto's): the first check step is the first
+    forward auto serves, every layer."""
+    kernels["error"] = lambda name, layer, sigma: 0.02 if layer == 1 else 0.0
+    sel = _selector()
+    cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
+    ov = patch.AttentionOverride(cfg, sigma_range=(8.0, 0.0))
+    _run(ov, [10.0, 8.0, 7.0, 6.0, 5.0, 0.0])  # mid and last: 7 and 5
+    m = cfg.stats.as_dict()["metrics"]
+    assert m[f"{GROW}@gate-first.rel_l1_vs_dense"]["n"] == 3 and {s for n, s, layer, _ in kernels["ran"]} == {8, 7, 6, 5}
+    assert [k for k in m if "@gate-" in k and k.endswith("rel_l1_vs_dense")] == [
+        f"{GROW}@gate-{p}.rel_l1_vs_dense" for p in ("first", "mid", "last")]
+
+
 def test_a_kernel_whose_error_grows_on_a_later_layer_and_step_is_refused_there_for_good(kernels, reads):
     """Tuned on layer 0 of the first step, where it is exact; from sigma 6 on layer 2 is beyond auto's gate (still
     within auto_fast's). The middle step's check finds it: that forward is computed again without the kernel, which
