@@ -10,7 +10,7 @@ full-precision request, a layer the NaN net found) the call goes to the fastest 
 - the hook's calling convention and ComfyUI's functions: :mod:`.hook`;
 - the per-shape hot path: :mod:`.lean`;
 - the NaN net and the per-forward bookkeeping: :mod:`.nan_net`;
-- the audit and ``auto``'s accuracy checks (the rule: :mod:`.recheck`): :mod:`.recheck`;
+- the audit, ``auto``'s accuracy checks over the run and ``auto_fast``'s spot checks: :mod:`.recheck`;
 - composition with other overrides on the same hook: :mod:`.compose`.
 
 **Lanes.** ComfyUI samples a model's conds on several GPUs at once, one thread per GPU (MultiGPU CFG Split), all
