@@ -135,7 +135,7 @@ PATCH = Node(
         In("sparge_settings", SPARGE_TYPE, None, "Settings (and a per-layer profile) from a SpargeAttn Settings or "
            "Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
            optional=True, label="sparse_settings"),
-        In("auto_retune", "BOOLEAN", False, "auto, auto_exact: measure again instead of using remembered decisions.",
+        In("auto_retune", "BOOLEAN", False, "auto, auto_fast, auto_exact: measure again instead of using remembered decisions.",
            optional=True),
         In("auto_min_cos", "FLOAT", GATE_OWN, "auto, auto_fast: the cosine to exact attention a lossy kernel must keep. 0: "
            "the choice's own (auto 0.999, auto_fast 0.995); 0.995, the default of earlier versions, reads as 0 too.",
