@@ -9,6 +9,7 @@ from .constraints import CallSpec
 from .dispatch import (
     AUTO,
     AUTO_EXACT,
+    AUTO_FAST,
     AUTOS,
     REFERENCE,
     AttentionConfig,
@@ -26,6 +27,7 @@ __all__ = [
     "AUTO",
     "AUTOS",
     "AUTO_EXACT",
+    "AUTO_FAST",
     "REFERENCE",
     "REGISTRY",
     "AttentionConfig",

@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 
@@ -37,7 +38,7 @@ from .calls import (  # noqa: F401  (re-exported: the pieces of one call)
     run_backend,
     to_layout,
 )
-from .reference import accuracy
+from .reference import accuracy, accuracy_sums
 from .registry import REGISTRY
 from .stats import Stats, cuda_event
 
@@ -45,7 +46,8 @@ log = logging.getLogger("patch_attention.dispatch")
 
 AUTO = "auto"
 AUTO_EXACT = "auto_exact"  # the fastest exact kernel per call shape (attention.auto, exact_only)
-AUTOS = (AUTO, AUTO_EXACT)
+AUTO_FAST = "auto_fast"  # auto's earlier, looser gate, judged on the calls it times (attention.auto, AutoSelector.fast)
+AUTOS = (AUTO, AUTO_EXACT, AUTO_FAST)
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("patch_attention_forced", default=None)
 
@@ -62,7 +64,7 @@ class BackendUnavailableError(RuntimeError):
 class AttentionConfig:
     """How calls are dispatched.
 
-    backend: a registry name, ``"auto"`` or ``"auto_exact"``.
+    backend: a registry name, ``"auto"``, ``"auto_fast"`` or ``"auto_exact"``.
     fallbacks: names tried, in order, when ``backend`` cannot take a call; then the fastest exact kernel for the call
         (with an exact selector, ``exact``); SDPA ends every chain.
     allow_fallback: ``False`` raises :class:`BackendUnavailableError` instead of falling back.
@@ -95,14 +97,19 @@ class AttentionConfig:
 
     def take_nonfinite(self) -> list:
         """Deferred checks since the last call: [(check_key, backend)] whose output was not finite (one sync)."""
+        return self.take_checks()[0]
+
+    def take_checks(self, also=()) -> tuple[list, list]:
+        """The deferred checks since the last call and the device tensors ``also`` (a forward's output flag, the
+        accuracy gate's sums), read back together with one sync: ``([(check_key, backend)] whose output was not
+        finite, [the values of each tensor of also, as a list of floats]])``. Nothing to read: no sync."""
         pending, self._pending = self._pending, []
-        if not pending:
-            return []
-        try:
-            flags = torch.stack([f for _, _, f in pending]).isfinite().tolist()
-        except RuntimeError:  # flags on several devices
-            flags = [bool(f.isfinite()) for _, _, f in pending]
-        return [(key, name) for (key, name, _), ok in zip(pending, flags) if not ok]
+        tensors = [f for _, _, f in pending] + [t for t in also]
+        if not tensors:
+            return [], []
+        values = read_back(tensors)
+        bad = [(key, name) for (key, name, _), v in zip(pending, values) if not math.isfinite(v[0])]
+        return bad, values[len(pending):]
 
     def __post_init__(self):
         for name in (self.backend, *self.fallbacks):
@@ -129,6 +136,20 @@ class AttentionConfig:
             if n not in seen:
                 seen.add(n)
                 yield n
+
+
+def read_back(tensors) -> list[list[float]]:
+    """The values of device ``tensors`` (any shapes and float dtypes), read back with one sync (one per device where
+    they lie on several)."""
+    try:
+        flat = torch.cat([t.detach().reshape(-1).double() for t in tensors]).tolist()
+    except RuntimeError:  # on several devices
+        return [t.detach().reshape(-1).double().tolist() for t in tensors]
+    out, i = [], 0
+    for t in tensors:
+        out.append(flat[i : i + t.numel()])
+        i += t.numel()
+    return out
 
 
 @contextlib.contextmanager
@@ -199,7 +220,7 @@ def attention(
     q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape, scale, enable_gqa)
 
     first = _forced.get() or cfg.backend
-    if first == AUTO:
+    if first == AUTO or first == AUTO_FAST:
         first = select(cfg, q4, k4, v4, layout, mask4, spec, scale)
     elif first == AUTO_EXACT:
         first = select_exact(cfg, q4, k4, v4, layout, mask4, spec, scale)
@@ -357,3 +378,33 @@ def error_vs_reference(out, q, k, v, heads, mask=None, *, skip_reshape=False, sk
     ref = attention(q, k, v, heads, mask, skip_reshape=skip_reshape, skip_output_reshape=skip_output_reshape,
                     config=AttentionConfig(backend=REFERENCE, check_finite=False), scale=scale, enable_gqa=enable_gqa)
     return accuracy(out, ref)
+
+
+CHECK_ROWS = 1024  # query rows an accuracy check recomputes (spread evenly over the call; all rows of a shorter call)
+
+
+def error_sums(out, q, k, v, heads, mask=None, *, rows: int = CHECK_ROWS, offset: int = 0, skip_reshape=False,
+               skip_output_reshape=False, scale=None, enable_gqa=False) -> torch.Tensor:
+    """The accuracy sums (:func:`reference.accuracy_sums`, a [5] fp64 device tensor: nothing is read back) of ``out``
+    (what :func:`attention` returned for this call) against SDPA in the call's dtype, on ``rows`` query rows spread
+    evenly over the call from ``offset`` (modulo the spacing; every row where the call has fewer). Attention is per
+    query row, so those rows' reference needs only them and every key: 1/32 of a dense call at 32,760 tokens."""
+    q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape, scale, enable_gqa)
+    q4, k4, v4 = (to_layout(t, layout, "HND") for t in (q4, k4, v4))
+    n = spec.q_len
+    step = -(-n // rows)
+    idx = torch.arange(offset % step, n, step, device=q4.device)[:rows]
+    qs = q4.index_select(2, idx)
+    m = mask4
+    if m is not None:
+        if m.dim() >= 2 and m.shape[-2] > 1:
+            m = m.index_select(-2, idx)
+        if m.dtype != torch.bool:
+            m = m.to(qs.dtype)
+    kw = {"enable_gqa": True} if spec.kv_heads != spec.heads else {}
+    ref = torch.nn.functional.scaled_dot_product_attention(qs, k4, v4, attn_mask=m, scale=scale, **kw)
+    if skip_output_reshape:  # [B, H, N, Dv]
+        got = out.index_select(2, idx)
+    else:  # [B, N, H*Dv]
+        got = out.index_select(1, idx).unflatten(-1, (spec.heads, -1)).transpose(1, 2)
+    return accuracy_sums(got, ref)

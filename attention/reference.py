@@ -84,10 +84,9 @@ def _pieces(t: torch.Tensor, n: int):
         yield from t.split(max(1, n // inner))
 
 
-def accuracy(out: torch.Tensor, ref: torch.Tensor, piece: int = 1 << 24) -> tuple[float, float]:
-    """(cosine similarity, relative L1) of ``out`` against ``ref``; fp32 elementwise, sums in fp64 (an fp32
-    ``cosine_similarity`` over millions of elements drifts by 1e-4 and more, enough to fail a gate on its own).
-    Computed ``piece`` elements at a time (a few hundred MB at most, whatever the size), one device sync."""
+def accuracy_sums(out: torch.Tensor, ref: torch.Tensor, piece: int = 1 << 24) -> torch.Tensor:
+    """The five sums :func:`accuracy` is made of (out.ref, out.out, ref.ref, |out - ref|, |ref|), as an fp64 device
+    tensor: nothing is read back (a caller folds them into a device read it makes anyway; :func:`from_sums`)."""
     if out.shape != ref.shape:
         out, ref = out.reshape(-1), ref.reshape(-1)
     f64 = torch.float64
@@ -98,7 +97,17 @@ def accuracy(out: torch.Tensor, ref: torch.Tensor, piece: int = 1 << 24) -> tupl
         o, r = po.float().reshape(-1), pr.float().reshape(-1)
         sums += torch.stack([(o * r).sum(dtype=f64), o.square().sum(dtype=f64), r.square().sum(dtype=f64),
                              (o - r).abs_().sum(dtype=f64), r.abs().sum(dtype=f64)])
-    dot, oo, rr, l1, r1 = sums.tolist()
-    cos = dot / max((oo * rr) ** 0.5, 1e-30)
-    rel = l1 / max(r1, 1e-12)
-    return cos, rel
+    return sums
+
+
+def from_sums(sums) -> tuple[float, float]:
+    """(cosine similarity, relative L1) from :func:`accuracy_sums`' five numbers (read back)."""
+    dot, oo, rr, l1, r1 = sums
+    return dot / max((oo * rr) ** 0.5, 1e-30), l1 / max(r1, 1e-12)
+
+
+def accuracy(out: torch.Tensor, ref: torch.Tensor, piece: int = 1 << 24) -> tuple[float, float]:
+    """(cosine similarity, relative L1) of ``out`` against ``ref``; fp32 elementwise, sums in fp64 (an fp32
+    ``cosine_similarity`` over millions of elements drifts by 1e-4 and more, enough to fail a gate on its own).
+    Computed ``piece`` elements at a time (a few hundred MB at most, whatever the size), one device sync."""
+    return from_sums(accuracy_sums(out, ref, piece).tolist())

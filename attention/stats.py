@@ -125,10 +125,11 @@ class Stats:
             lines.append(f"attention not reached: {u['model']}: {u['why']}")
         for key, m in d["metrics"].items():
             lines.append(f"  {key}: mean {m['mean']:.4f} over {m['n']} calls")
-        from .auto import EXACT_SUFFIX
+        from .auto import EXACT_SUFFIX, FAST_SUFFIX
 
         for sig, why in d["auto"].items():
-            lines.append(f"  {'auto_exact' if sig.endswith(EXACT_SUFFIX) else 'auto'} {sig}: {why}")
+            who = "auto_exact" if sig.endswith(EXACT_SUFFIX) else "auto_fast" if sig.endswith(FAST_SUFFIX) else "auto"
+            lines.append(f"  {who} {sig}: {why}")
         return "\n".join(lines)
 
 

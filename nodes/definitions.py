@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from ..attention import REGISTRY, environment, report_rows
-from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS
 from ..attention.backends.kitchen import SOL_BOUNDS, SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from ..attention.backends.sparge import BOUNDS, DEFAULTS
 from ..attention.sparge_profile import (
@@ -23,7 +22,7 @@ from ..attention.sparge_profile import (
     fingerprint_state_dict,
 )
 from . import files
-from .patch import SPARSE_START, SpargeSettings, patch_model, tune_model
+from .patch import GATE_OWN, SPARSE_START, SpargeSettings, patch_model, tune_model
 from .progress import progress_bar
 
 CATEGORY = "model_patches/attention"
@@ -91,25 +90,25 @@ class Node:
 
 
 def backend_choices() -> list[str]:
-    return ["auto", "disabled", "auto_exact", *REGISTRY.names()]
+    return ["auto", "disabled", "auto_exact", "auto_fast", *REGISTRY.names()]
 
 
 BACKEND_TOOLTIP = (
-    "auto keeps the fastest kernel this GPU runs that stays within auto_min_cos and auto_max_rel_l1 of exact attention "
-    "(auto_exact: the fastest exact kernel). sdpa is ComfyUI's own attention, disabled removes an earlier patch, and "
-    "any other name forces that kernel."
+    "auto keeps the fastest kernel this GPU runs within cos 0.999 / rel-L1 0.039 of exact attention, checked on every "
+    "layer; auto_fast allows more error (0.995 / 0.08) for sparse speed; auto_exact keeps exact kernels only. sdpa is "
+    "ComfyUI's own attention, disabled removes an earlier patch, any other name forces that kernel."
 )
 
 
 # ---------------------------------------------------------------- Patch Attention
 
 def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0, dense_layers="", log_stats=False,
-              sparse_settings=None, auto_retune=False, auto_min_cos=DEFAULT_MIN_COS, auto_max_rel_l1=DEFAULT_MAX_REL_L1,
+              sparse_settings=None, auto_retune=False, auto_min_cos=GATE_OWN, auto_max_rel_l1=GATE_OWN,
               check_finite=True, sparse_start_percent=SPARSE_START):
     if sparse_settings is not None and sparse_settings.profile is not None:
         fp = fingerprint_state_dict(model.model.diffusion_model.state_dict())
         sparse_settings.profile.check_model(fp, type(model.model.diffusion_model).__name__)
-    if sparse_settings is not None and backend not in ("auto", "disabled", sparse_settings.variant):
+    if sparse_settings is not None and backend not in ("auto", "auto_fast", "disabled", sparse_settings.variant):
         raise ValueError(f"the sparse-attention settings are for {sparse_settings.variant}, the backend is {backend}: "
                          f"choose {sparse_settings.variant} or auto, or connect settings for {backend}")
     m = patch_model(
@@ -146,13 +145,13 @@ PATCH = Node(
         In("sparse_settings", SPARGE_TYPE, None, "Options, and optionally a per-layer profile, from a SpargeAttn "
            "Settings or Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
            optional=True, old_names=("sparge_settings",)),
-        In("auto_retune", "BOOLEAN", False, "auto and auto_exact: measure the kernels again instead of using the "
+        In("auto_retune", "BOOLEAN", False, "auto, auto_fast, auto_exact: measure the kernels again instead of using the "
            "decisions remembered for this GPU.", optional=True),
-        In("auto_min_cos", "FLOAT", DEFAULT_MIN_COS, "auto: the lowest cosine similarity to exact attention (0-1) a "
-           "kernel may have on your model's real calls; higher keeps results closer to exact.",
-           optional=True, min=0.9, max=1.0, step=0.0005),
-        In("auto_max_rel_l1", "FLOAT", DEFAULT_MAX_REL_L1, "auto: the largest relative L1 error against exact "
-           "attention (0.08 = 8 %) a kernel may have on your model's real calls; lower keeps results closer to exact.",
+        In("auto_min_cos", "FLOAT", GATE_OWN, "auto, auto_fast: the cosine to exact attention a lossy kernel must keep. 0: "
+           "the choice's own (auto 0.999, auto_fast 0.995); 0.995, the default of earlier versions, reads as 0 too.",
+           optional=True, min=0.0, max=1.0, step=0.0005),
+        In("auto_max_rel_l1", "FLOAT", GATE_OWN, "auto, auto_fast: the relative L1 error a lossy kernel must stay within. "
+           "0: the choice's own (auto 0.039, auto_fast 0.08); 0.08, the default of earlier versions, reads as 0 too.",
            optional=True, min=0.0, max=1.0, step=0.005),
         In("check_finite", "BOOLEAN", True, "Check 8-bit and sparse kernels' output for NaN (black images) and redo "
            "such a step with the affected layers on an exact kernel. SageAttention gives NaN when all keys are equal, "

@@ -8,12 +8,12 @@ forward Patch Attention runs dense (outside ``start/end_percent``, an explicit s
 ``sparse_start_percent``), what the full path does: the fastest exact kernel measured for the shape (the lane's exact
 selector), or the override Patch Attention was applied over.  Calls with a mask, a precision request, ``scale`` or
 ``enable_gqa``, per-layer options, ``dense_layers``, ``log_stats`` and layers the NaN net marked keep the full path; so
-do ``auto``'s lossy choices at its re-check steps.
+do ``auto``'s lossy choices at its check steps (:mod:`.recheck`).
 """
 
 from __future__ import annotations
 
-from ..attention import AUTO, AUTO_EXACT, REGISTRY
+from ..attention import AUTO, AUTO_EXACT, AUTO_FAST, REGISTRY
 from ..attention.calls import prepare
 from ..attention.dispatch import direct_call
 from .hook import HOST, PREVIOUS, is_host_exact, same_heads, wants_full_precision
@@ -59,11 +59,11 @@ def make(ov, ln, func, a, k_smoothed=False, dense=False):
     try:
         if dense:
             return _declined(ov, ln, func, q, k, v, heads, sr, sor, k_smoothed, None, None)
-        sel = cfg.auto if name == AUTO else cfg.exact if name == AUTO_EXACT else None
+        sel = cfg.auto if name in (AUTO, AUTO_FAST) else cfg.exact if name == AUTO_EXACT else None
         if sel is not None:
             sig = sel.key(prepare(q, k, v, heads, None, sr)[4], cfg.sparse_ok)
             name = sel.decisions.get(sig)
-            if name is None or sig in sel.demoted:
+            if name is None or sig in sel.demoted or name in sel.refused.get(sig, ()):
                 return None
         call, refused = direct_call(cfg, name, q, k, v, heads, sr, sor, k_smoothed)
     except Exception:

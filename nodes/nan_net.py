@@ -9,8 +9,13 @@ non-finite output is recomputed with per-call flags to find the layers; those ru
 every device: a layer found on one GPU is dense on the others from their next forward) and the forward is computed
 again.  A run on exact kernels only is never checked: nothing there can put NaN where the unpatched model had none.
 
+The same read takes ``auto``'s accuracy checks of a check step (:mod:`.recheck`): their sums, left on the device by
+the forward's calls, are read back with the NaN flags in one device read, never with a sync of their own.  A lossy
+choice found beyond the gate is refused and the forward computed again without it, with the same checks (the kernel
+that replaces it is judged on this step too); a forward computed again to find or avoid NaN makes no accuracy checks.
+
 The wrapper also starts each forward of its sampling thread's lane: the layer counter back to 0, the step schedule and
-``auto``'s re-check phase read once per forward rather than per attention call. After the run's first forward, the
+``auto``'s check step read once per forward rather than per attention call. After the run's first forward, the
 layer counter says how many attention calls reached the override: none means the model's attention bypasses the hook
 (it calls ComfyUI's attention without ``transformer_options``), which is counted and said once per run
 (:meth:`~.override.AttentionOverride.unreached`).  It wraps ComfyUI's torch.compile
@@ -20,12 +25,14 @@ wrapper from outside, so it runs eagerly in compiled models too.
 from __future__ import annotations
 
 import logging
+import math
 import sys
 
 import torch
 
 from ..attention.calls import finite_flag
 from ..parallel.context import CP_KEY
+from . import recheck
 from .hook import BoundWrapper
 
 log = logging.getLogger("patch_attention.nodes")
@@ -86,13 +93,16 @@ class ForwardWrapper(BoundWrapper):
         ln = ov.lane(x.device if isinstance(x, torch.Tensor) else None)
         cfg = ln.config
         sigma = args[1] if len(args) > 1 else kwargs.get("t")
-        recheck = ov.rechecks_pending(ln)
-        if ov.sigma_range is not None or recheck or ov.reads_sparse_phase(ln):
+        spot = ov.rechecks_pending(ln)  # checks at the middle and last step are due: the sigma says which forward
+        if ov.sigma_range is not None or spot or ov.reads_sparse_phase(ln):
             sigma = as_float(sigma)  # read once for every use below: one sync per forward
         ln.active = ov.in_range(sigma) if ov.sigma_range is not None else True
-        ln.check_phase = ov.phase_of(sigma) if recheck else None
         ov.sparse_phase(ln, sigma)
+        ln.check_phase = ov.check_phase(ln, ov.phase_of(sigma) if spot else None)
+        ln.check_round += ln.check_phase is not None
+        ov.refresh(ln)  # another lane refused one of auto's choices: this lane's cached calls go
         ln.layer = 0
+        ln.probes = []
         per_call = False
         if ov.nan_net:
             if ov.hides_nan is None:
@@ -101,34 +111,7 @@ class ForwardWrapper(BoundWrapper):
             cfg.check_finite = "deferred" if per_call else False
         cfg.in_forward = True
         try:
-            out = forward()
-            split = split_context(args, kwargs)  # a forward split over GPUs: every GPU decides as one (see below)
-            bad = []
-            if per_call:
-                bad = cfg.take_nonfinite()
-                if split is not None:
-                    bad = split.union(bad)
-                if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
-                    ov.hides_nan = True  # an output the later per-forward check could not read: per-call flags always
-            elif ov.nan_net:
-                # the output check reads a device flag: one sync per forward
-                redo = ov.lossy_ran(ln) and not bool(output_flag(out).isfinite())
-                if split is not None:
-                    redo = split.any(redo)
-                if redo:
-                    cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
-                    ln.layer = 0
-                    out = forward()
-                    bad = cfg.take_nonfinite()
-                    if split is not None:
-                        bad = split.union(bad)
-            if bad:
-                # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
-                # sampling run, and the forward is computed again.
-                ov.mark_nonfinite(bad, ln)
-                ln.layer = 0
-                out = forward()
-                cfg.take_nonfinite()
+            out = self.checked(ov, ln, forward, per_call, args, kwargs)
             if ln.first_forward and ln.layer == 0 and not ov.traced_host and ov.replaced_by is None:
                 # no attention call of the run's first forward reached the override, though it is on the hook (only
                 # the first: a cache node, e.g. EasyCache, may skip a later forward's blocks altogether)
@@ -141,7 +124,62 @@ class ForwardWrapper(BoundWrapper):
                 cfg.check_finite = "deferred"  # outside a forward: checked at once
             ln.active = None
             ln.check_phase = None
+            ln.probes = []
         return out
+
+    @staticmethod
+    def checked(ov, ln, forward, per_call, args, kwargs):
+        """The forward, its NaN flags and auto's accuracy checks read back in one device read, and computed again
+        where they found something: layers with NaN go dense (:meth:`~.override.AttentionOverride.mark_nonfinite`),
+        lossy choices beyond the gate are refused (:meth:`~.override.AttentionOverride.refuse`)."""
+        cfg = ln.config
+        judged = cfg.auto is not None and cfg.auto.over_run
+        while True:
+            out = forward()
+            split = split_context(args, kwargs)  # a forward split over GPUs: every GPU decides as one (see below)
+            # the output check (after the first forward, where the model keeps NaN visible): its device flag
+            flag = output_flag(out) if ov.nan_net and not per_call and ov.lossy_ran(ln) else None
+            bad, values = cfg.take_checks(([flag] if flag is not None else []) + [p.sums for p in ln.probes])
+            nonfinite = flag is not None and not math.isfinite(values.pop(0)[0])
+            failed = recheck.judge(ln, values)
+            if failed:
+                ov.refuse(ln, failed)  # before the GPUs of a split compare: theirs see the refusal in the selectors
+            refused = split.any(bool(failed)) if split is not None and judged else bool(failed)
+            if refused:
+                ov.refresh(ln)
+            redone = False
+            if per_call:
+                if split is not None:
+                    bad = split.union(bad)
+                if not (isinstance(out, torch.Tensor) and out.is_floating_point()):
+                    ov.hides_nan = True  # an output the later per-forward check could not read: per-call flags always
+            elif ov.nan_net:
+                redo = nonfinite
+                if split is not None:
+                    redo = split.any(redo)
+                if redo:
+                    cfg.check_finite = "deferred"  # find the layers: the same forward with per-call flags
+                    ln.check_phase = None
+                    ln.layer = 0
+                    out = forward()
+                    redone = True
+                    bad = cfg.take_nonfinite()
+                    if split is not None:
+                        bad = split.union(bad)
+            if bad:
+                # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
+                # sampling run, and the forward is computed again.
+                ov.mark_nonfinite(bad, ln)
+                ln.check_phase = None
+                ln.layer = 0
+                out = forward()
+                redone = True
+                cfg.take_nonfinite()
+            if not refused or redone:
+                return out
+            # a choice was refused: this forward again without it, checked as before (what replaces it too), until
+            # nothing is refused -- each refusal takes a candidate away for good, so this ends
+            ln.layer = 0
 
 
 def split_context(args, kwargs):

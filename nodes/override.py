@@ -10,7 +10,7 @@ full-precision request, a layer the NaN net found) the call goes to the fastest 
 - the hook's calling convention and ComfyUI's functions: :mod:`.hook`;
 - the per-shape hot path: :mod:`.lean`;
 - the NaN net and the per-forward bookkeeping: :mod:`.nan_net`;
-- the audit and ``auto``'s re-check: :mod:`.recheck`;
+- the audit, ``auto``'s accuracy checks over the run and ``auto_fast``'s spot checks: :mod:`.recheck`;
 - composition with other overrides on the same hook: :mod:`.compose`.
 
 **Lanes.** ComfyUI samples a model's conds on several GPUs at once, one thread per GPU (MultiGPU CFG Split), all
@@ -69,7 +69,12 @@ class Lane:
         self.thread = thread
         self.layer = 0  # attention call index within the current model forward
         self.active = None  # step schedule for the current forward (None: not in a forward, read sigma per call)
-        self.check_phase = None  # "mid"/"last": this forward re-checks auto's lossy choices against dense
+        # this forward checks auto's lossy choices against dense attention: "first"/"sparse-start"/"mid"/"last"
+        self.check_phase = None
+        self.check_round = 0  # check forwards so far (each compares other query rows)
+        self.phases_run = set()  # the phases (sparse_ok) auto's calls have run in this run
+        self.probes = []  # this forward's accuracy checks, their sums on the device (recheck.probe)
+        self.gate_seen = 0  # the override's gate_version this lane's cached calls were made under
         self.first_forward = True
         self.lean = {}  # call key -> entry(func, args, kwargs, layer), or False: this shape takes the full path
         self.host = ()  # ComfyUI's exact attention function once seen (the hot path compares identity)
@@ -85,6 +90,8 @@ class Lane:
         cfg.take_nonfinite()
         self.layer_calls = {}
         self.checked = set()
+        self.probes = []
+        self.phases_run = set()
         self.lean.clear()
         self.first_forward = True
         cfg.sparse_ok = True
@@ -125,6 +132,7 @@ class AttentionOverride:
         self.hides_nan = None  # the model's code sanitizes NaN (decided at its first forward)
         self.nonfinite_layers = set()  # layers whose kernel returned NaN/inf this run: dense from then on
         self.check_sigmas = {}  # sigma of the middle and last step of the current run -> "mid"/"last"
+        self.gate_version = 0  # +1 whenever a lane refuses one of auto's choices: every lane drops its cached calls
         self.audit = audit and chosen is not None and chosen.quantized
         self.passthrough = config.backend == "sdpa" and not config.record_time  # `sdpa` is the host's SDPA call
         # every call may run on the chosen kernel(s), full-precision requests too
@@ -186,7 +194,7 @@ class AttentionOverride:
         """A config like the first lane's, with statistics, plans, NaN flags and ``auto``'s choices of its own."""
         base = self.config
 
-        def own(sel):
+        def own(sel):  # what auto refused stays shared by the lanes (``refused``: the same dict)
             return sel and dataclasses.replace(sel, decisions={}, reports={}, demoted={}, tune_ms=0.0, _loaded=False)
 
         return dataclasses.replace(base, stats=Stats(), auto=own(base.auto), exact=own(base.exact), in_forward=False,
@@ -276,9 +284,46 @@ class AttentionOverride:
         return any(n in REGISTRY and REGISTRY.get(n).quantized for n in ln.calls)
 
     def rechecks_pending(self, ln: Lane) -> bool:
-        """``auto`` has run a lossy choice in this run, so its middle and last steps re-check those: only then does a
+        """``auto`` has run a lossy choice in this run, so its middle and last steps check those: only then does a
         forward read its sigma for the phase (a device sync per forward)."""
         return bool(self.check_sigmas) and self.lossy_ran(ln)
+
+    def check_phase(self, ln: Lane, phase):
+        """This forward's accuracy checks of auto's lossy choices (None: none): ``phase`` ("mid"/"last", from the
+        sigma); for ``auto`` also the first forward of the run whose calls it serves ("first": after
+        ``start_percent``) and the first of the sparse phase ("sparse-start"): where each phase's choices first run
+        in the run (see :mod:`.recheck`)."""
+        cfg = ln.config
+        if cfg.auto is None or not ln.active or cfg.sparse_ok in ln.phases_run:
+            return phase
+        ln.phases_run.add(cfg.sparse_ok)
+        if phase is not None or not cfg.auto.over_run:
+            return phase
+        return "first" if len(ln.phases_run) == 1 else "sparse-start"
+
+    def refuse(self, ln: Lane, failed) -> None:
+        """auto's lossy choices that left the gate in a forward of ``ln`` (``recheck.Failed``): refused for their
+        signature from now on, in every lane (the lanes' selectors share what is refused; each lane drops its cached
+        calls at its next forward, this one now)."""
+        auto, stats = ln.config.auto, ln.config.stats
+        with self._lock:
+            for f in failed:
+                why = (f"left the gate at the {f.phase} step on layer {f.layer} (cos {f.cos:.5f}, rel-L1 {f.rel_l1:.4f}; "
+                       f"gate cos >= {auto.min_cos:g}, rel-L1 <= {auto.max_rel_l1:g})")
+                new = auto.refuse(f.sig, f.name, why)
+                stats.decisions[f.sig] = f"{new or 'tuned again'} from then on: {f.name} {why}"
+                log.warning("%s: %s %s; not used again for these calls (%s instead), this step computed again",
+                            auto.label, f.name, why, new or "the fastest of the others, measured again")
+            self.gate_version += 1
+        self.refresh(ln)
+
+    def refresh(self, ln: Lane) -> None:
+        """Drop ``ln``'s cached calls if a lane refused one of auto's choices since they were made (one comparison
+        per forward): its next calls ask the selector again."""
+        if ln.gate_seen != self.gate_version:
+            ln.gate_seen = self.gate_version
+            ln.lean.clear()
+            ln.config._fast.clear()
 
     def phase_of(self, sigma):
         """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
@@ -431,7 +476,10 @@ class AttentionOverride:
         if self.audit:
             recheck.audit(ln, layer, q, k, v, heads, mask, kw, out)
         elif ln.check_phase is not None:
-            out = recheck.recheck(ln, layer, q, k, v, heads, mask, kw, out)
+            if cfg.auto.over_run:
+                recheck.probe(ln, layer, q, k, v, heads, mask, kw, out)  # read at the forward's end, no sync here
+            else:
+                out = recheck.spot_check(ln, layer, q, k, v, heads, mask, kw, out)
         if sparse_report and self.report_error_every and (self.layer_calls(ln, layer) % self.report_error_every == 0):
             _, rel = error_vs_reference(out, q, k, v, heads, mask, **kw)
             cfg.stats.add_metrics(f"{cfg.backend}@layer{layer}", {"rel_l1_vs_dense": rel})

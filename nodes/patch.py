@@ -14,8 +14,8 @@ import os
 import re
 from dataclasses import dataclass
 
-from ..attention import AUTO_EXACT, REGISTRY, AttentionConfig, AutoSelector
-from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS, default_cache_path
+from ..attention import AUTO, AUTO_EXACT, AUTO_FAST, REGISTRY, AttentionConfig, AutoSelector
+from ..attention.auto import FAST_MAX_REL_L1, FAST_MIN_COS, default_cache_path
 from ..attention.sparge_profile import SpargeProfile
 from .compose import SampleWrapper, install, previous_override
 from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
@@ -29,6 +29,24 @@ __all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingEr
 log = logging.getLogger("patch_attention.nodes")
 
 SPARSE_START = 0.2  # the node's default: sparse kernels from 20 % of the schedule on, as ComfyUI's Model Sparse Attention
+
+# auto_min_cos / auto_max_rel_l1: 0 means the chosen auto's own gate (auto: 0.999 / 0.039, auto_fast: 0.995 / 0.08).
+# Before auto_fast existed the inputs' defaults were 0.995 / 0.08, saved in workflows as values: those were no choice
+# of the user's (they were what "auto" meant), so they mean the chosen auto's own gate too. Any other value replaces
+# that threshold, for auto (judged over the run) and for auto_fast (judged on the calls it times) alike.
+GATE_OWN = 0.0
+EARLIER_GATE = (FAST_MIN_COS, FAST_MAX_REL_L1)
+
+
+def gate_input(value, earlier: float, name: str) -> float | None:
+    """A gate input as the selector takes it: None (the choice's own threshold) for 0, None and ``earlier`` (the
+    input's default before auto_fast); else the value, checked."""
+    if value is None or value == GATE_OWN or abs(value - earlier) < 1e-9:
+        return None
+    value = float(value)
+    if not 0.0 < value <= 1.0:
+        raise ValueError(f"{name} must be in (0, 1] (0: the chosen auto's own gate), got {value}")
+    return value
 
 _RANGE = re.compile(r"^\s*(\d+)?\s*(-)?\s*(\d+)?\s*$")
 
@@ -87,15 +105,18 @@ def patch_model(
     log_stats: bool = False,
     sparge=None,
     auto_retune: bool = False,
-    auto_min_cos: float = DEFAULT_MIN_COS,
-    auto_max_rel_l1: float = DEFAULT_MAX_REL_L1,
+    auto_min_cos: float | None = None,
+    auto_max_rel_l1: float | None = None,
     record_time: bool | None = None,
     check_finite: bool = True,
     sparse_start_percent: float = 0.0,
 ):
     """Return a clone of ``model`` (a ComfyUI ModelPatcher) whose attention goes to ``backend``: a registry name,
-    ``auto`` or ``auto_exact`` (the fastest exact kernel per call shape; also what every backend but ``sdpa`` runs the
-    calls it leaves dense on).
+    ``auto``, ``auto_fast`` (auto's earlier, looser gate) or ``auto_exact`` (the fastest exact kernel per call shape;
+    also what every backend but ``sdpa`` runs the calls it leaves dense on).
+
+    ``auto_min_cos`` / ``auto_max_rel_l1``: None or 0 (or 0.995 / 0.08, the inputs' earlier defaults) keep the chosen
+    auto's own gate; another value replaces that threshold (see ``GATE_OWN``).
 
     ``backend="disabled"`` returns a clone with an earlier Patch Attention removed (and the override it was applied
     over, if any, back on the hook).  Over another override (Model Attention Backend, another pack's), that one serves
@@ -114,8 +135,12 @@ def patch_model(
         options[sparge.variant] = sparge.options
         layer_options = sparge.layer_options
     auto = exact = None
-    if backend == "auto":
-        auto = AutoSelector(cache_path=auto_cache_path(), retune=auto_retune, min_cos=auto_min_cos, max_rel_l1=auto_max_rel_l1)
+    if backend in (AUTO, AUTO_FAST):
+        gate = {k: v for k, v in (("min_cos", gate_input(auto_min_cos, EARLIER_GATE[0], "auto_min_cos")),
+                                  ("max_rel_l1", gate_input(auto_max_rel_l1, EARLIER_GATE[1], "auto_max_rel_l1")))
+                if v is not None}
+        make = AutoSelector.fast if backend == AUTO_FAST else AutoSelector
+        auto = make(cache_path=auto_cache_path(), retune=auto_retune, **gate)
     if backend != "sdpa":  # `sdpa` leaves every call to ComfyUI's own function
         exact = AutoSelector.exact(cache_path=auto_cache_path(), retune=auto_retune)
     cfg = AttentionConfig(
@@ -134,7 +159,7 @@ def patch_model(
     sparse_sigma = None
     if not 0.0 <= sparse_start_percent <= 1.0:
         raise ValueError(f"need 0 <= sparse_start_percent <= 1, got {sparse_start_percent}")
-    if sparse_start_percent > 0.0 and backend != AUTO_EXACT and (backend == "auto" or REGISTRY.get(backend).sparse):
+    if sparse_start_percent > 0.0 and backend != AUTO_EXACT and (backend in (AUTO, AUTO_FAST) or REGISTRY.get(backend).sparse):
         sparse_sigma = float(m.get_model_object("model_sampling").percent_to_sigma(sparse_start_percent))
     ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats,
                            report_error_every=getattr(sparge, "report_error_every", 0), previous=previous_override(m),

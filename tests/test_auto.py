@@ -191,4 +191,4 @@ def test_a_candidate_must_beat_sdpa_by_the_margin(temp_backend):
         assert list(sel.decisions.values()) == [expect]
         [why] = cfg.stats.decisions.values()
         assert ("within 5% of sdpa: sdpa kept" in why) == (expect == "sdpa")
-    assert "rule2" in auto_mod.fingerprint()  # decisions cached under the old rule are not reused
+    assert "rule3" in auto_mod.fingerprint()  # decisions cached under an earlier rule (or gate) are not reused

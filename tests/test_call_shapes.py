@@ -216,7 +216,9 @@ def test_auto_tunes_and_rechecks_sd3_calls(kernels):
     for out in outs:
         assert_exact(out, q, k, v)
     m = cfg.stats.as_dict()["metrics"]
-    assert m["t_hnd8@recheck-mid.cos_vs_dense"]["mean"] > 0.99999 and "t_hnd8@recheck-last.cos_vs_dense" in m
+    # judged on the device at the first, middle and last step: the row-sampled check takes SD3's calls (4-D V)
+    for phase in ("first", "mid", "last"):
+        assert m[f"t_hnd8@gate-{phase}.cos_vs_dense"]["mean"] > 0.99999, phase
 
 
 def test_sparse_tuning_run_takes_sd3_calls():

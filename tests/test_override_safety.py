@@ -1,5 +1,6 @@
 """The override's promises on one call, without ComfyUI: precision requests, the NaN net outside a forward, the
-free dense path, the audit of an explicitly chosen lossy kernel, and auto's re-check during a run."""
+free dense path, the audit of an explicitly chosen lossy kernel, and auto_fast's spot checks during a run (auto's gate
+over the run: tests/test_auto_gate.py)."""
 
 import logging
 
@@ -120,7 +121,9 @@ def test_an_accurate_lossy_kernel_is_audited_silently(backends):
     assert ov.config.stats.as_dict()["metrics"]["t_fine@first-call.cos_vs_dense"]["mean"] > 0.9999
 
 
-def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends, monkeypatch):
+def test_auto_fast_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(backends, monkeypatch):
+    """auto_fast judges as auto did before its gate was judged over the run (tests/test_auto_gate.py): a spot check of
+    one call per signature at the middle and last step, SDPA for the rest of that run when it fails."""
     drift = {"on": False}
     reads = []
     real = nan_net.as_float
@@ -131,9 +134,9 @@ def test_auto_rechecks_its_lossy_choice_mid_run_and_falls_back_when_it_drifts(ba
         return o + 0.5 * o.std() * torch.randn_like(o) if drift["on"] else o
 
     backends("t_drift", drifting)
-    sel = A.AutoSelector(timer=lambda name, fn, dev: {"sdpa": 2.0, "t_drift": 1.0}[name],
-                         exclude={n for n in A.REGISTRY.names() if n not in ("sdpa", "t_drift")})
-    cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
+    sel = A.AutoSelector.fast(timer=lambda name, fn, dev: {"sdpa": 2.0, "t_drift": 1.0}[name],
+                              exclude={n for n in A.REGISTRY.names() if n not in ("sdpa", "t_drift")})
+    cfg = A.AttentionConfig(backend="auto_fast", auto=sel, check_finite="deferred")
     ov = patch.AttentionOverride(cfg)
     fw, sw = patch.ForwardWrapper(ov), patch.SampleWrapper(ov)
     q, k, v = _qkv()

@@ -156,7 +156,7 @@ def test_gpu_stage_dry_run_on_the_cpu(tmp_path):
     for key in ("concentration-init", "concentration-480p", "concentration-720p"):
         assert res[key]["overall"]["heads"] >= 1
     rows = {r["row"]: r for r in res["rows-480p"]}
-    assert {"unpatched", "sdpa_math", stage.DRYRUN_LOSSY, "auto"} <= set(rows)
+    assert {"unpatched", "sdpa_math", stage.DRYRUN_LOSSY, "auto", "auto_fast"} <= set(rows)
     assert rows[stage.DRYRUN_LOSSY]["psnr"] < rows["sdpa_math"]["psnr"]
     assert res["per_call"][stage.DRYRUN_LOSSY]["cos"] < 1.0
     assert res["calibration"]["gate"]["floor_psnr"] == rows["unpatched"]["floor_psnr"]

@@ -151,6 +151,23 @@ def test_the_tuning_template_says_what_to_do_without_spargeattn():
     assert any(g["title"].startswith("1 · Tune Sparse Attention") for g in wf["groups"])
 
 
+def test_the_templates_sample_with_the_default_auto_at_its_own_gate():
+    """Every template's Patch Attention samples with the node's default, auto, its gate inputs at their defaults (0:
+    auto's own gate, the quality-first one). (The tuning template's second run, muted and not in its API file, names
+    the profile's kernel.)"""
+    P = load()
+    defaults = {i.name: i.default for i in P.nodes.definitions.PATCH.inputs}
+    assert defaults["backend"] == "auto" and defaults["auto_min_cos"] == defaults["auto_max_rel_l1"] == P.nodes.patch.GATE_OWN
+    backends = []
+    for path in API:
+        for node in json.load(open(path)).values():
+            if node["class_type"] == "PatchAttention":
+                i = node["inputs"]
+                backends.append(i["backend"])
+                assert (i["auto_min_cos"], i["auto_max_rel_l1"]) == (defaults["auto_min_cos"], defaults["auto_max_rel_l1"])
+    assert backends == ["auto"] * 4
+
+
 OLD_API = os.path.join(ROOT, "tests", "fixture_workflows", "wan21_sparge_tuning_saved_before_sparse_settings.api.json")
 
 

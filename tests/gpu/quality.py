@@ -15,9 +15,10 @@ this script; the runner's ``timeout`` is the hard stop), results written after e
 4. ``tune``: Tune Sparse Attention on the stand-in (SpargeAttn and Sol-Attn profiles at the default budget; Sol-Attn
    also at tighter and looser budgets, for the budget calibration).
 5. ``rows-480p``: unpatched, flash_attn4 (if present), sdpa_cudnn, sage_fp8_sm90, sparge, sparge_topk, kitchen_sol,
-   core:sol-attn, the tuned profiles and auto; 10 steps; s/step, whole-run s/step, PSNR/SSIM against the fp32 run.
-6. ``concentration-720p``, then ``rows-720p`` (6 steps): the most telling rows that fit, the fp32 reference if it fits
-   (else the unpatched row).
+   core:sol-attn, the tuned profiles, auto and auto_fast; 10 steps; s/step, whole-run s/step, PSNR/SSIM against the
+   fp32 run.
+6. ``concentration-720p``, then ``rows-720p`` (6 steps): the most telling rows that fit (unpatched, sdpa_cudnn,
+   sage_fp8_sm90, kitchen_sol, auto, auto_fast first), the fp32 reference if it fits (else the unpatched row).
 7. ``calibration-480p``: per-call (cos, rel-L1) of every lossy setting on captured real calls (what auto's gate sees),
    more settings sampled end to end as the budget allows (``--sweep``), the gate and budget proposed by the rule
    (measure.calibrate), and the rule at 1, 3, 6 and 10 dB below the floor.
@@ -43,7 +44,8 @@ import traceback
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 MAIN_ROWS = ["unpatched", "flash_attn4", "sdpa_cudnn", "sage_fp8_sm90", "sparge", "sparge_topk", "kitchen_sol",
-             "core:sol-attn", "auto"]
+             "core:sol-attn"]
+AUTO_ROWS = ["auto", "auto_fast"]  # measured last (after the tuned profiles): auto, and the faster, lossier choice
 # more settings for the calibration (end to end and per call)
 SWEEP_ROWS = ["kitchen_sol[tau=1.0]", "kitchen_sol[tau=2.0]", "sparge[cdfthreshd=0.95]", "sparge_topk[topk=0.3]",
               "kitchen_int8", "kitchen_sol[tau=1.6]", "kitchen_sol[tau=2.5]", "sparge[cdfthreshd=0.9]", "sage_fp16_cuda",
@@ -466,7 +468,7 @@ def main(argv=None):
 
     def usable(row):
         base = e2e.parse_row(row)[0]
-        if base in ("unpatched", "auto"):
+        if base == "unpatched" or base in AUTO_ROWS:
             return True
         if base == e2e.CORE_SOL:
             return REG.get("kitchen_sol").available
@@ -499,8 +501,8 @@ def main(argv=None):
         return res
 
     # 5. the rows at 480p
-    base_rows = [r.strip() for r in a.rows.split(",")] if a.rows else MAIN_ROWS[:-1]
-    main480 = base_rows + M["extra_rows"] + profile_rows() + ["auto"]
+    base_rows = [r.strip() for r in a.rows.split(",")] if a.rows else MAIN_ROWS
+    main480 = base_rows + M["extra_rows"] + profile_rows() + AUTO_ROWS
     est = {"row": 8.0 if dev == "cuda" else 1.0}  # seconds per 480p row (warm-up and timed run), measured below
     rows480 = st.phase("rows-480p", est["row"] * len(main480) + 20, lambda: run_rows("rows-480p", job, main480))
     if rows480:
@@ -521,14 +523,16 @@ def main(argv=None):
 
     st.phase("concentration-720p", 30, conc720)
     per720 = est["row"] * (3.0 if dev == "cuda" else 1.5) * M["steps720"] / M["steps480"]  # attention ~ tokens^2
-    order = ["unpatched", "sdpa_cudnn", "kitchen_sol", "core:sol-attn", "auto", "sage_fp8_sm90", "flash_attn4"]
-    rows720 = sorted([r for r in base_rows + M["extra_rows"] + profile_rows() + ["auto"] if usable(r)],
+    order = ["unpatched", "sdpa_cudnn", "sage_fp8_sm90", "kitchen_sol", "auto", "auto_fast", "core:sol-attn",
+             "flash_attn4"]
+    rows720 = sorted([r for r in base_rows + M["extra_rows"] + profile_rows() + AUTO_ROWS if usable(r)],
                      key=lambda r: order.index(r) if r in order else len(order))
     auto_tune720 = 50.0 if dev == "cuda" else 0.0  # auto measures its candidates on 75,600-token calls: ~2 signatures
+    reserve = 70 if st.wanted is None or "calibration-480p" in st.wanted else 15  # the calibration after them
     cost, fit = 0.0, 0
     for r in rows720:
-        c = per720 + (auto_tune720 if r == "auto" else 0.0)
-        if cost + c > st.left() - 70:
+        c = per720 + (auto_tune720 if r in AUTO_ROWS else 0.0)
+        if cost + c > st.left() - reserve:
             break
         cost, fit = cost + c, fit + 1
     if st.wanted is None or "rows-720p" in st.wanted:
@@ -539,7 +543,7 @@ def main(argv=None):
                 rows720 = rows720[:fit]
             job720 = be.standin_job(e2e, a.weights, "standin-720p", dev, g720)
             job720.steps = M["steps720"]
-            if st.left() - 70 < cost + 4 * per720:
+            if st.left() - reserve < cost + 4 * per720:
                 job720.reference = None  # the fp32 run does not fit: the unpatched row is the reference
                 st.say("rows-720p: the unpatched row is the reference (no time for the fp32 run)")
             st.phase("rows-720p", 0.8 * per720 * len(rows720), lambda: run_rows("rows-720p", job720, rows720))
@@ -552,7 +556,7 @@ def main(argv=None):
         st.say(f"calibration: {len(calls)} self-attention calls captured (steps {sorted(M['calib_steps'])})")
         sweep = [r for r in SWEEP_ROWS if usable(r)][: a.sweep]
         budget_rows = [f"kitchen_sol[profile={profiles[('kitchen_sol', b)]}]" for b in SOL_BUDGETS if ("kitchen_sol", b) in profiles]
-        lossy_main = [r for r in (rows480 or []) if "psnr" in r and not r.get("exact") and r["row"] not in ("auto",)
+        lossy_main = [r for r in (rows480 or []) if "psnr" in r and not r.get("exact") and r["row"] not in AUTO_ROWS
                       and not r["row"].startswith("core:")]
         per_call = {}
         for row in [r["row"] for r in lossy_main] + budget_rows + sweep:
@@ -585,17 +589,22 @@ def main(argv=None):
                 setting = {"budget": b, "variant": e2e.parse_row(name)[0]}
             pts[name] = cal.Point(name, r["s_per_step_whole"], r["psnr"], exact=bool(r.get("exact")), cos=pc.get("cos"),
                                   rel_l1=pc.get("rel_l1"), setting=setting)
-        points = [p for n, p in pts.items() if n != "auto"]
+        points = [p for n, p in pts.items() if n not in AUTO_ROWS]
         floor = cal.exact_floor(points)
         if floor is None:
             raise RuntimeError("no exact row measured: no floor")
         gate = cal.propose_gate(points, floor, current=(auto_mod.DEFAULT_MIN_COS, auto_mod.DEFAULT_MAX_REL_L1))
+        # what auto's gate and auto_fast's let through at the 3 dB the default keeps to
+        gate["at_3db"] = {r: vars(cal.check_gate(points, floor, c, e, 3.0)) for r, c, e in (
+            ("auto", auto_mod.DEFAULT_MIN_COS, auto_mod.DEFAULT_MAX_REL_L1),
+            ("auto_fast", auto_mod.FAST_MIN_COS, auto_mod.FAST_MAX_REL_L1))}
         sol_pts = [p for p in points if p.setting.get("variant") == "kitchen_sol"]
         budgets = cal.propose_budget(sol_pts, floor)
         curve = cal.by_tolerance(points, floor)
         budget_curve = [{"tolerance_db": t, **cal.propose_budget(sol_pts, floor, t)} for t in (1.0, 3.0, 6.0, 10.0)]
         st.res["calibration"] = {"points": [vars(p) for p in points], "gate": gate, "budget": budgets, "curve": curve,
-                                 "budget_curve": budget_curve, "auto": vars(pts["auto"]) if "auto" in pts else None}
+                                 "budget_curve": budget_curve,
+                                 **{r: vars(pts[r]) if r in pts else None for r in AUTO_ROWS}}
         st.res["calibration-md"] = cal.render_markdown(points, gate, budgets, curve) + "\n\nTuning budget by tolerance: " + \
             "; ".join(f"{b['tolerance_db']:g} dB: {b['budget']}" for b in budget_curve)
         st.say(f"calibration: floor {floor:.2f} dB; rule's setting {gate['target']}; proposed gate cos >= "

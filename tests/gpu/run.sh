@@ -47,6 +47,9 @@
 #                  rows at 480p (and 720p) with PSNR/SSIM against its fp32 run, and the gate calibration, inside
 #                  QUALITY_BUDGET seconds (default 460; what does not fit is listed as not reached)
 #   quality-more   a second call on the same machine with the saved weights: 720p rows and the whole calibration sweep
+#   quality-auto   auto and auto_fast beside unpatched, sdpa_cudnn, sage_fp8_sm90 and kitchen_sol at 480p, then 720p
+#                  (the stand-in from STANDIN_WEIGHTS when a quality call on this machine left it, else trained first;
+#                  QUALITY_BUDGET, default 480 s)
 #   fa4            FlashAttention-4, the four parts below in turn (~7-8 min expected, each time-boxed; each is a stage too):
 #   fa4-install    install.py --only flash_attn4 for real from the wheels in FA4_WHEELS (default $CARRY/fa4; a wheel over
 #                  the carry limit may come as X.whl.part-aa, -ab, ...: joined there), offline, torch checked before and
@@ -264,6 +267,12 @@ stage_sparge() {
 
 stage_quality() {
   timeout 520 $PY tests/gpu/quality.py --out "$OUT" 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
+}
+stage_quality-auto() {
+  local w=${STANDIN_WEIGHTS:-/tmp/standin.safetensors} phases=train,load,rows-480p,rows-720p skip=
+  [ -f "$w" ] && { phases=load,rows-480p,rows-720p; skip=--skip-train; }
+  timeout 540 $PY tests/gpu/quality.py --out "$OUT/auto" --budget "${QUALITY_BUDGET:-480}" $skip --phases $phases \
+    --rows unpatched,sdpa_cudnn,sage_fp8_sm90,kitchen_sol 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
 }
 stage_quality-more() {
   timeout 560 $PY tests/gpu/quality.py --out "$OUT/more" --skip-train --budget "${QUALITY_BUDGET:-520}" --sweep 12 \

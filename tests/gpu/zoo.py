@@ -158,8 +158,10 @@ def bound_of(A, backend: str, floor: float = 0.0) -> float:
     class) plus ``floor``, how far this model's latent moves with bf16 rounding alone (unpatched bf16 against
     unpatched fp32): on random weights a few steps amplify rounding, and two exact kernels' latents differ by up to
     that much."""
-    if backend == "auto":
-        cls = A.auto.DEFAULT_MAX_REL_L1
+    if backend in ("auto", "auto_fast"):
+        # auto_fast's per-call gate (auto's is tighter): the kernels either admits are 8-bit-class or better per call,
+        # and an 8-bit kernel's own row is held to 0.08, whichever auto runs it
+        cls = A.auto.FAST_MAX_REL_L1
     elif backend == "auto_exact":
         cls = A.registry.ACCURACY["exact"].max_rel_l1
     else:
