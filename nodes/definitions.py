@@ -94,9 +94,9 @@ def backend_choices() -> list[str]:
 
 
 BACKEND_TOOLTIP = (
-    "auto keeps the fastest kernel this GPU runs within cos 0.999 / rel-L1 0.039 of exact attention, checked on every "
-    "layer; auto_fast allows more error (0.995 / 0.08) for sparse speed; auto_exact keeps exact kernels only. sdpa is "
-    "ComfyUI's own attention, disabled removes an earlier patch, any other name forces that kernel."
+    "auto keeps the fastest kernel this GPU runs within cos 0.999 / rel-L1 0.039 of exact, checked on every layer; "
+    "auto_fast allows 0.995 / 0.08 for sparse speed; auto_exact: exact only. sdpa is ComfyUI's own attention, "
+    "disabled removes an earlier patch, any other name forces that kernel."
 )
 
 
@@ -151,7 +151,7 @@ PATCH = Node(
            "the choice's own (auto 0.999, auto_fast 0.995); 0.995, the default of earlier versions, reads as 0 too.",
            optional=True, min=0.0, max=1.0, step=0.0005),
         In("auto_max_rel_l1", "FLOAT", GATE_OWN, "auto, auto_fast: the relative L1 error a lossy kernel must stay within. "
-           "0: the choice's own (auto 0.039, auto_fast 0.08); 0.08, the default of earlier versions, reads as 0 too.",
+           "0: the choice's own (auto 0.039 = 3.9 %, auto_fast 0.08 = 8 %); 0.08, the earlier default, reads as 0 too.",
            optional=True, min=0.0, max=1.0, step=0.005),
         In("check_finite", "BOOLEAN", True, "Check 8-bit and sparse kernels' output for NaN (black images) and redo "
            "such a step with the affected layers on an exact kernel. SageAttention gives NaN when all keys are equal, "

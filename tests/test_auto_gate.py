@@ -103,7 +103,7 @@ def _run(ov, sigmas, layers=3, qkv=None, per_forward=None, outs=None, reads=None
 
 
 def test_default_gate_is_the_calibrations_at_3_db_and_auto_fasts_is_not():
-    cal = auto_mod.__name__.rsplit(".", 1)[0] + ".calibrate"
+    cal = P.__name__ + ".measure.calibrate"
     import importlib
 
     cal = importlib.import_module(cal)

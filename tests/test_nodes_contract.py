@@ -69,7 +69,7 @@ def test_every_tooltip_is_one_or_two_sentences_of_at_most_300_characters():
                         ("SolAttnSettings.tau", "sigmas"), ("AttentionBenchmark.reps", "a count"),
                         ("PatchAttention.log_stats", "(ms)")]:
         assert unit in tip[where], (where, tip[where])
-    assert tip["PatchAttention.auto_max_rel_l1"].startswith("auto: the largest relative L1 error")
+    assert tip["PatchAttention.auto_max_rel_l1"].startswith("auto, auto_fast: the relative L1 error")
 
 
 def test_every_node_is_found_by_the_words_people_search_for():
