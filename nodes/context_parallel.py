@@ -100,7 +100,7 @@ class ContextParallelAttention:
             qn = q.view(b, q.shape[1], heads, d)
             kn = k.view(b, k.shape[1], k.shape[-1] // d, d)
             vn = v.view(b, v.shape[1], kn.shape[2], v.shape[-1] // kn.shape[2])
-        extra = {key: val for key, val in rest.items()}
+        extra = rest  # bind() made it: the call's other keywords, this call's own dict
         precision = a.get("attn_precision")
 
         def local(qf, kf, vf, mask=None):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
@@ -144,7 +144,6 @@ class ContextParallel:
         self.gpus = gpus  # how many GPUs the node asked for (0: all)
         self.cfg_split = cfg_split
         self.simulate = simulate  # tests: this many ranks on the model's own device, sharing its model
-        self._runs = threading.local()  # the sampling run of this thread (set by RunWrapper)
         self._lock = threading.Lock()
         self.run = None  # the current sampling run (read by forwards in any thread)
 

@@ -191,15 +191,20 @@ def load_profile(profile: str, variant: str, node: str) -> SpargeProfile | None:
     return prof
 
 
+def _reason(check, *args):
+    """What ComfyUI's prompt validation wants from a node's check: True, or the refusal's message."""
+    try:
+        check(*args)
+    except files.FileNameError as e:
+        return str(e)
+    return True
+
+
 def profile_validator(node: str):
     """Prompt validation of ``node``'s profile input: none, empty (workflows saved before the list) or a listed file."""
 
     def validate(cls, profile=None):
-        try:
-            files.resolve_profile(profile, node)
-        except files.FileNameError as e:
-            return str(e)
-        return True
+        return _reason(files.resolve_profile, profile, node)
 
     return validate
 
@@ -305,11 +310,7 @@ def run_tune(model, variant, error_budget, profile_name, pvthreshd_values="50"):
 
 def validate_tune(cls, profile_name=None):
     """Prompt validation of the profile's file name: a plain name, before anything runs."""
-    try:
-        files.check_plain_name(profile_name, TUNE_NAME)
-    except files.FileNameError as e:
-        return str(e)
-    return True
+    return _reason(files.check_plain_name, profile_name, TUNE_NAME)
 
 
 TUNE_NAME = "Tune Sparse Attention"

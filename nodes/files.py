@@ -78,13 +78,21 @@ def check_plain_name(name: str, node: str, what: str = "profile_name") -> str:
     return name if name.lower().endswith(".json") else name + ".json"
 
 
-def _why_bad(name: str) -> str | None:
-    if not name:
-        return "is empty"
+def _unreadable(name: str) -> str | None:
+    """Why no file can have this name (too long, a control character), for reading and writing alike."""
     if len(name) > MAX_NAME:
         return f"is longer than {MAX_NAME} characters"
     if any(ord(c) < 32 or ord(c) == 127 for c in name):
         return "holds a control character"
+    return None
+
+
+def _why_bad(name: str) -> str | None:
+    if not name:
+        return "is empty"
+    bad = _unreadable(name)
+    if bad:
+        return bad
     if "/" in name or "\\" in name or ":" in name:
         return "holds a folder separator or a drive (absolute paths and folders are not accepted)"
     if name.startswith("."):
@@ -124,8 +132,9 @@ def resolve_profile(name: str, node: str) -> str | None:
     name = name.strip(" ")
     if name in ("", NONE):
         return None
-    if len(name) > MAX_NAME or any(ord(c) < 32 or ord(c) == 127 for c in name):
-        raise FileNameError(f"{node}: profile {_show(name)} is not a profile name (too long or a control character)")
+    bad = _unreadable(name)
+    if bad:
+        raise FileNameError(f"{node}: profile {_show(name)} {bad}")
     if os.path.isabs(name) or name.startswith(("\\", "/")) or ":" in name or ".." in name.replace("\\", "/").split("/"):
         raise FileNameError(f"{node}: profile {_show(name)} is a path; choose a file from the list (the files in "
                             f"models/{FOLDER})")

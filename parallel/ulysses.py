@@ -117,15 +117,14 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     why = mask_problem(mask, k.shape[1], layout.full_len, h) if mask is not None else None
     if why:
         raise ValueError(why)
-    whole_mask = None
-    if mask is not None and mask.shape[-1] == layout.full_len and (layout.full_len != k.shape[1] or mask.shape[-2] != 1):
-        # made for the whole sequence (with one query row and one rank the two kinds are the same)
-        kv0, kvc = split(hk, group.size)[rank]
-        whole_mask, mask = rank_mask(mask, layout.full_len, h, (h // hk) * kv0, (h // hk) * kvc), None
     g = h // hk
     kv_heads = split(hk, group.size)
     full, p, sfx = layout.full_len, layout.prefix, layout.suffix
     a, c = kv_heads[rank]
+    whole_mask = None
+    if mask is not None and mask.shape[-1] == full and (full != k.shape[1] or mask.shape[-2] != 1):
+        # made for the whole sequence (with one query row and one rank the two kinds are the same)
+        whole_mask, mask = rank_mask(mask, full, h, g * a, g * c), None
     dev = q.device
     bufs = [torch.empty(b, full, g * c, d, dtype=q.dtype, device=dev), torch.empty(b, full, c, d, dtype=k.dtype, device=dev),
             torch.empty(b, full, c, dv, dtype=v.dtype, device=dev)]
