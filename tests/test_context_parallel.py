@@ -23,12 +23,24 @@ C = importlib.import_module(P.__name__ + ".parallel.context")
 F = torch.nn.functional
 
 
-def whole(q, k, v):
-    """Attention over ``[B, L, H, D]`` (fp64 reference; grouped K/V heads repeated)."""
+def whole(q, k, v, mask=None):
+    """Attention over ``[B, L, H, D]`` (fp64 reference; grouped K/V heads repeated), under ``mask`` in ComfyUI's shapes
+    (2-D ``[Lq, Lk]``, 3-D ``[B, Lq, Lk]``, 4-D as SDPA takes it; additive or bool, True attends)."""
     hq, hk = q.shape[2], k.shape[2]
     if hq != hk:
         k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)).transpose(1, 2)
+    while mask is not None and mask.ndim < 4:
+        mask = mask.unsqueeze(0 if mask.ndim == 2 else 1)
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          attn_mask=mask).transpose(1, 2)
+
+
+def rank_rows(t, lay, r, dim=1):
+    """Rank ``r``'s rows of a tensor over the whole sequence (along ``dim``): the prefix, its shard, the suffix."""
+    full = t.shape[dim]
+    s0, sc = lay.shards[r]
+    return torch.cat([t.narrow(dim, 0, lay.prefix), t.narrow(dim, lay.prefix + s0, sc),
+                      t.narrow(dim, full - lay.suffix, lay.suffix)], dim)
 
 
 def run_ranks(n, fn):
@@ -65,8 +77,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
     group = G.Group(["cpu"] * n)
 
     def local(t, r):
-        s0, sc = lay.shards[r]
-        return torch.cat([t[:, :prefix], t[:, prefix + s0:prefix + s0 + sc], t[:, prefix + tokens:]], 1)
+        return rank_rows(t, lay, r)
 
     calls = []
 
@@ -183,6 +194,21 @@ def _split(mod, model, n, **kw):
     return importlib.import_module(mod.__name__ + ".nodes.context_parallel").context_parallel(model, simulate=n, **kw)
 
 
+def split_under_patch(mod, base, n, order, backend="sdpa_math"):
+    """``base`` split over ``n`` ranks with Patch Attention (``backend``, log_stats) applied before the split
+    (``order`` "patch-then-split") or after it: the model, and Patch Attention's override, found under the split's
+    attention hook, which stays on top in either order."""
+    patch = mod.nodes.patch.patch_model
+    if order == "patch-then-split":
+        m = _split(mod, patch(base, backend, log_stats=True), n)
+    else:
+        m = patch(_split(mod, base, n), backend, log_stats=True)
+    hook = m.model_options["transformer_options"]["optimized_attention_override"]
+    assert type(hook).__name__ == "ContextParallelAttention"
+    assert type(hook.inner).__name__ == "AttentionOverride"
+    return m, hook.inner
+
+
 def _exchanged_calls(mod):
     """Count the attention calls exchanged over ranks while sampling (patched onto RankContext for the test)."""
     counts = []
@@ -245,15 +271,8 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
     cls, case = _case(z, "WAN21_T2V")
     base = z.build(cls, case)
     ref = z.sample(base, case)
-    patch = mod.nodes.patch.patch_model
-    if order == "patch-then-split":
-        m = _split(mod, patch(base, "sdpa_math", log_stats=True), 2)
-    else:
-        m = patch(_split(mod, base, 2), "sdpa_math", log_stats=True)
-    hook = m.model_options["transformer_options"]["optimized_attention_override"]
-    assert type(hook).__name__ == "ContextParallelAttention"
-    ov = hook.inner
-    assert type(ov).__name__ == "AttentionOverride" and ov.previous is None
+    m, ov = split_under_patch(mod, base, 2, order)
+    assert ov.previous is None
     out = z.sample(m, case)
     assert rel_l1(out, ref) < 1e-5
     # every rank ran its share on the chosen kernel, in its own lane: self-attention with the whole sequence and its
@@ -263,28 +282,26 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
     for ln in lanes:
         assert dict(ln.config.stats.calls) == {"sdpa_math": 2 * case.steps}
     # "disabled" takes Patch Attention out from under the split and keeps the split
-    off = patch(m, "disabled")
+    off = mod.nodes.patch.patch_model(m, "disabled")
     hook2 = off.model_options["transformer_options"]["optimized_attention_override"]
     assert type(hook2).__name__ == "ContextParallelAttention" and hook2.inner is None
 
 
 @pytest.mark.comfyui
 def test_a_model_without_a_unit_samples_on_one_gpu_and_says_so_once(zoo):
-    from comfyui_support import tiny_flux
+    """An SD 1.5 UNet has no unit: the node leaves it on one GPU, and sampling says so once, naming the model."""
+    from comfyui_support import sample, tiny_sd
     from conftest import capture
 
     z, mod, mappings = zoo
-    base = tiny_flux()
+    base = tiny_sd()
+    assert mod.parallel.families.unit_for(base.model.diffusion_model) is None
+    m = _split(mod, base, 2)
     with capture("patch_attention") as recs:
-        m = _split(mod, base, 2)
-    if mod.parallel.families.unit_for(base.model.diffusion_model) is not None:
-        pytest.skip("Flux has a unit")
-    from comfyui_support import sample
-
-    with capture("patch_attention") as recs:
-        sample(m, steps=2)
+        out = sample(m, kind="sd", steps=2)
     said = [r.getMessage() for r in recs if "Context Parallel" in r.getMessage()]
-    assert len(said) == 1 and "Flux" in said[0] and "samples on one GPU" in said[0]
+    assert len(said) == 1 and "UNetModel" in said[0] and "samples on one GPU" in said[0]
+    assert torch.equal(out, sample(base, kind="sd", steps=2))
 
 
 @pytest.mark.comfyui

@@ -10,7 +10,9 @@ import importlib
 import pytest
 import torch
 from pack import load
+from test_context_parallel import rank_rows as _local
 from test_context_parallel import run_ranks
+from test_context_parallel import whole as masked
 
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
@@ -19,17 +21,6 @@ C = importlib.import_module(P.__name__ + ".parallel.context")
 F = torch.nn.functional
 
 
-def masked(q, k, v, mask=None):
-    """Attention over ``[B, L, H, D]`` with an additive mask broadcast to ``[B, H, Lq, Lk]`` (fp64 reference)."""
-    out = F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), attn_mask=mask)
-    return out.transpose(1, 2)
-
-
-def _local(t, lay, r):
-    """Rank ``r``'s rows of a whole-sequence tensor (prefix, its shard, suffix)."""
-    s0, sc = lay.shards[r]
-    p, tokens = lay.prefix, sum(c for _, c in lay.shards)
-    return torch.cat([t[:, :p], t[:, p + s0:p + s0 + sc], t[:, p + tokens:]], 1)
 
 
 @pytest.mark.parametrize("n", [2, 3, 4])

@@ -16,7 +16,8 @@ import pytest
 import test_context_parallel
 import torch
 from pack import load
-from test_context_parallel import _case, _split, check_split, rel_l1, run_ranks
+from test_context_parallel import _case, check_split, rank_rows, rel_l1, run_ranks, split_under_patch
+from test_context_parallel import whole as masked_whole
 
 zoo = test_context_parallel.zoo  # the fixture (an import of it would be an unused name that the tests redefine)
 
@@ -28,19 +29,6 @@ F = torch.nn.functional
 
 
 # ---------------------------------------------------------------- a mask through the exchange
-
-def masked_whole(q, k, v, mask):
-    """fp64 reference: ``[B, L, H, D]`` attention under ``mask`` (ComfyUI's shapes; bool: True attends)."""
-    hq, hk = q.shape[2], k.shape[2]
-    if hq != hk:
-        k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
-    m = mask
-    if m.ndim == 2:
-        m = m.unsqueeze(0)
-    if m.ndim == 3:
-        m = m.unsqueeze(1)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=m).transpose(1, 2)
 
 
 def _mask(kind, b, h, L, g):
@@ -77,8 +65,7 @@ def test_a_mask_over_the_whole_sequence_gives_whole_attention(kind, n, heads, kv
     group = G.Group(["cpu"] * n)
 
     def local(t, r):
-        s0, sc = lay.shards[r]
-        return torch.cat([t[:, :prefix], t[:, prefix + s0:prefix + s0 + sc], t[:, prefix + tokens:]], 1)
+        return rank_rows(t, lay, r)
 
     seen = []
 
@@ -214,13 +201,7 @@ def test_patch_attention_is_the_local_kernel_of_a_split_flux(zoo, order, name):
     cls, case = _case(z, name)
     base = z.build(cls, case)
     ref = z.sample(base, case)
-    patch = mod.nodes.patch.patch_model
-    if order == "patch-then-split":
-        m = _split(mod, patch(base, "sdpa_math", log_stats=True), 3)
-    else:
-        m = patch(_split(mod, base, 3), "sdpa_math", log_stats=True)
-    ov = m.model_options["transformer_options"]["optimized_attention_override"].inner
-    assert type(ov).__name__ == "AttentionOverride"
+    m, ov = split_under_patch(mod, base, 3, order)
     out = z.sample(m, case)
     assert rel_l1(out, ref) < 1e-5
     # every rank ran every block's joint attention (text and all image tokens, its share of the heads: 2 heads over 3

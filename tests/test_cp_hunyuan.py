@@ -15,7 +15,9 @@ import importlib
 import pytest
 import torch
 from pack import load
-from test_context_parallel import _case, _split, check_split, rel_l1, run_ranks
+from test_context_parallel import _case, check_split, rel_l1, run_ranks, split_under_patch
+from test_context_parallel import rank_rows as _local
+from test_context_parallel import whole as masked_whole
 
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
@@ -27,21 +29,6 @@ F = torch.nn.functional
 zoo = importlib.import_module("test_context_parallel").zoo  # the fixture: ComfyUI 0.33+, the zoo and the pack
 
 
-def masked_whole(q, k, v, mask=None):
-    """Attention over ``[B, L, H, D]`` with ``mask`` as SDPA broadcasts it (``[B or 1, H or 1, Lq or 1, L]``)."""
-    hq, hk = q.shape[2], k.shape[2]
-    if hq != hk:
-        k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=mask).transpose(1, 2)
-
-
-def _local(t, lay, r, dim=1):
-    """Rank ``r``'s part of a whole-sequence tensor: the prefix, its shard, the suffix."""
-    full = t.shape[dim]
-    s0, sc = lay.shards[r]
-    return torch.cat([t.narrow(dim, 0, lay.prefix), t.narrow(dim, lay.prefix + s0, sc),
-                      t.narrow(dim, full - lay.suffix, lay.suffix)], dim)
 
 
 # ---------------------------------------------------------------- the key mask in the exchange
@@ -319,16 +306,9 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
     cls, case = _case(z, "HunyuanVideo")
     base = z.build(cls, case)
     ref = z.sample(base, case)
-    patch = mod.nodes.patch.patch_model
     n = 3
-    if order == "patch-then-split":
-        m = _split(mod, patch(base, "sdpa_math", log_stats=True), n)
-    else:
-        m = patch(_split(mod, base, n), "sdpa_math", log_stats=True)
-    hook = m.model_options["transformer_options"]["optimized_attention_override"]
-    assert type(hook).__name__ == "ContextParallelAttention"
-    ov = hook.inner
-    assert type(ov).__name__ == "AttentionOverride" and ov.previous is None
+    m, ov = split_under_patch(mod, base, n, order)
+    assert ov.previous is None
     seen, real, counting = _masked_calls(mod)
     mod.parallel.context.RankContext.attention = counting
     try:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import _case, _split, check_split, rel_l1
+from test_context_parallel import _case, _split, check_split, rel_l1, split_under_patch
 
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI 0.33+, the zoo and the pack
 
@@ -205,15 +205,7 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
     case = ltxv_case(z)
     base = z.build(sm.LTXV, case)
     ref = z.sample(base, case)
-    patch = mod.nodes.patch.patch_model
-    if order == "patch-then-split":
-        m = _split(mod, patch(base, "sdpa_math", log_stats=True), 2)
-    else:
-        m = patch(_split(mod, base, 2), "sdpa_math", log_stats=True)
-    hook = m.model_options["transformer_options"]["optimized_attention_override"]
-    assert type(hook).__name__ == "ContextParallelAttention"
-    ov = hook.inner
-    assert type(ov).__name__ == "AttentionOverride"
+    m, ov = split_under_patch(mod, base, 2, order)
     out = z.sample(m, case)
     assert rel_l1(out, ref) < 1e-5
     # per rank and block: self-attention in two calls (the video's rows and the guide's, each with its mask) over

@@ -15,23 +15,14 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import C, G, U, _case, _split, check_split, rel_l1, run_ranks
+from test_context_parallel import C, G, U, _case, check_split, rank_rows, rel_l1, run_ranks, split_under_patch
+from test_context_parallel import whole as whole_masked
 
 F = torch.nn.functional
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI, the zoo and the pack
 
 
 # ---------------------------------------------------------------- the key mask through the exchange
-
-def whole_masked(q, k, v, mask):
-    """Whole attention over ``[B, L, H, D]`` with a ComfyUI-shaped mask (2-D, 3-D or 4-D; additive)."""
-    hq, hk = q.shape[2], k.shape[2]
-    if hq != hk:
-        k, v = k.repeat_interleave(hq // hk, 2), v.repeat_interleave(hq // hk, 2)
-    while mask.ndim < 4:
-        mask = mask.unsqueeze(0 if mask.ndim == 2 else 1)
-    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-                                          attn_mask=mask).transpose(1, 2)
 
 
 @pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens,shape", [
@@ -54,9 +45,7 @@ def test_a_key_mask_goes_with_the_keys(n, heads, kv_heads, prefix, suffix, token
     group = G.Group(["cpu"] * n)
 
     def local(t, r, dim=1):
-        s0, sc = lay.shards[r]
-        return torch.cat([t.narrow(dim, 0, prefix), t.narrow(dim, prefix + s0, sc), t.narrow(dim, prefix + tokens, suffix)],
-                         dim)
+        return rank_rows(t, lay, r, dim)
 
     seen = []
 
@@ -187,15 +176,7 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
 
     base = z.build(getattr(sm, name), case)
     ref = z.sample(base, case)
-    patch = mod.nodes.patch.patch_model
-    if order == "patch-then-split":
-        m = _split(mod, patch(base, "sdpa_math", log_stats=True), 3)
-    else:
-        m = patch(_split(mod, base, 3), "sdpa_math", log_stats=True)
-    hook = m.model_options["transformer_options"]["optimized_attention_override"]
-    assert type(hook).__name__ == "ContextParallelAttention"
-    ov = hook.inner
-    assert type(ov).__name__ == "AttentionOverride"
+    m, ov = split_under_patch(mod, base, 3, order)
     out = z.sample(m, case)
     assert rel_l1(out, ref) < 1e-5
     # every rank ran its share of the heads (2 heads on 3 ranks: one rank has none) on the chosen kernel, with the

@@ -16,7 +16,7 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import _split, check_split, rel_l1, run_ranks, whole
+from test_context_parallel import _split, check_split, rel_l1, run_ranks, split_under_patch, whole
 
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI with the zoo's families and the pack loaded
 
@@ -206,11 +206,7 @@ def test_patch_attention_is_the_local_kernel_of_a_vace_split(zoo, order, monkeyp
     name, case = variant_case(zoo, "vace", monkeypatch)
     base = z.build(getattr(sm, name), case)
     ref = z.sample(base, case)
-    patch = mod.nodes.patch.patch_model
-    m = _split(mod, patch(base, "sdpa_math", log_stats=True), 2) if order == "patch-then-split" else \
-        patch(_split(mod, base, 2), "sdpa_math", log_stats=True)
-    ov = m.model_options["transformer_options"]["optimized_attention_override"].inner
-    assert type(ov).__name__ == "AttentionOverride"
+    m, ov = split_under_patch(mod, base, 2, order)
     out = z.sample(m, case)
     assert rel_l1(out, ref) < 1e-5
     # every rank ran its share of every call on the chosen kernel: per forward, 4 blocks and 2 VACE blocks, each a
