@@ -132,6 +132,9 @@ def default_cache_path() -> str:
     return os.path.join(base, "patch_attention", "auto.json")
 
 
+LAUNCH_COVER_CYCLES = 20_000_000  # about 10-15 ms of GPU clock: the launches of one timed round fit behind it
+
+
 def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, reps: int = 5, rounds: int = 3,
               long_ms: float | None = None) -> float:
     """Per-call ms: median over ``rounds`` of ``reps`` back-to-back calls (CUDA events on GPU, perf_counter elsewhere).
@@ -143,6 +146,9 @@ def time_call(fn: Callable[[], object], device: torch.device, warmup: int = 2, r
     def elapsed(n: int) -> float:  # ms per call of n back-to-back calls
         if cuda:
             s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            # the GPU busy while the calls are launched: the events then time the kernels, not the host (another
+            # sampling thread holding the GIL, under CFG Split or Context Parallel, would otherwise count)
+            torch.cuda._sleep(LAUNCH_COVER_CYCLES)
             s.record()
             for _ in range(n):
                 fn()

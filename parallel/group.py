@@ -4,13 +4,19 @@ A :class:`Group` is made per forward. Its ranks meet at each exchange (a ``threa
 it offers, and after the barrier every rank *pulls* what it needs from the others with PyTorch's own device-to-device
 copies (``Tensor.copy_`` across devices: a peer copy over NVLink or PCIe where the GPUs allow it, through host memory
 otherwise). There is no collective written by hand: an exchange is a barrier (the ranks' tensors are all posted) and
-plain copies, each enqueued on the *source* rank's stream (the stream it posted with), so it starts after the kernels
-that made the tensor and before the source memory can be reused, and PyTorch makes the destination's stream wait for it.
-No rank waits for another rank's GPU work on the host: the barrier only waits until every rank has *enqueued* its part.
+plain copies.
 
-Posted tensors stay referenced until the round after next (two slots, alternating), by which time every rank has
-enqueued its copies from them.  An error in one rank aborts the barrier, so the others stop with
-:class:`GroupAborted` instead of waiting for ever; the forward then reports the first rank's error.
+Streams: a rank posts its tensors with an event recorded on its compute stream. A peer's copies out of them run on the
+posting rank's *send stream* (one per rank and forward, from PyTorch's stream pool), after that event; PyTorch makes the
+pulling rank's compute stream wait for them. So no rank's work lands on another rank's compute stream: a rank's own
+kernels (and ``auto``'s timing of them) never wait behind copies a peer enqueued, and the copies out of a rank run
+beside its compute. The posted tensors are recorded on the send stream (``record_stream``): their memory is not reused
+before the copies out of them are done. No rank waits for another rank's GPU work on the host: the barrier only waits
+until every rank has *enqueued* its part.
+
+Posted tensors stay referenced until the round after next (two slots, alternating).  An error in one rank aborts the
+barrier, so the others stop with :class:`GroupAborted` instead of waiting for ever; the forward then reports the first
+rank's error.
 
 Why threads and not processes: ComfyUI already keeps a copy of the model per device in its own process (its MultiGPU
 deep clones, run by one worker thread per device); a process per GPU would load every model once more and need a
@@ -30,14 +36,18 @@ class GroupAborted(RuntimeError):
 
 
 class Group:
-    """``len(devices)`` ranks of one forward (a device may repeat: ranks simulated on the CPU in tests)."""
+    """``len(devices)`` ranks of one forward (a device may repeat: ranks simulated on the CPU in tests).  ``pipeline``:
+    in how many parts an exchanged attention call sends its heads (None: by the sequence's length)."""
 
-    def __init__(self, devices, timeout: float | None = 600.0):
+    def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None):
         self.devices = [torch.device(d) for d in devices]
+        self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.pipeline_parts)
         self.size = len(self.devices)
         self._barrier = threading.Barrier(self.size, timeout=timeout)
         self._slots = ([None] * self.size, [None] * self.size)
         self._round = [0] * self.size
+        self._send: list = [None] * self.size  # per rank: the stream peers' copies out of its tensors run on
+        self._recv: list = [None] * self.size  # per rank: the stream its pipelined attention receives on
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------ the rendezvous
@@ -65,36 +75,81 @@ class Group:
         """Every rank's ``obj`` (plain Python values: flags, layer lists), in rank order."""
         return list(self._post(rank, obj))
 
+    def post(self, rank: int, tensors: tuple) -> list:
+        """Post ``tensors`` (this rank's, on its device) and wait until every rank posted its own: every rank's posting,
+        by rank, for :meth:`puller`."""
+        device = self.devices[rank]
+        if device.type != "cuda":
+            return list(self._post(rank, (tuple(tensors), None, None)))
+        send = self._send[rank]
+        if send is None:
+            send = self._send[rank] = torch.cuda.Stream(device)
+        ready = torch.cuda.Event()
+        ready.record(torch.cuda.current_stream(device))
+        for t in tensors:
+            if t.device == device:
+                t.record_stream(send)
+        return list(self._post(rank, (tuple(tensors), ready, send)))
+
+    def puller(self, rank: int, peer: int, posted: list, stream=None):
+        """``copy(dst, src)``: a copy of ``peer``'s posted tensor ``src`` (or a view of it) into ``dst`` on this rank's
+        device, ordered before this rank's work on ``stream`` (default: its current stream) from here on."""
+        _, ready, send = posted[peer]
+        if peer == rank or send is None:
+            return _copy
+        stream = stream or torch.cuda.current_stream(self.devices[rank])
+        return _puller(send, ready, stream, self.devices[peer] == self.devices[rank])
+
+    def receiving(self, rank: int):
+        """This rank's receive stream (None off CUDA): copies into buffers its later kernels wait for, one by one."""
+        device = self.devices[rank]
+        if device.type != "cuda":
+            return None
+        if self._recv[rank] is None:
+            self._recv[rank] = torch.cuda.Stream(device)
+        return self._recv[rank]
+
     def exchange(self, rank: int, tensors: tuple, fill) -> None:
         """Post ``tensors`` (this rank's, on its device) and, once all ranks have, call ``fill(peer, peer_tensors,
         copy)`` for every rank ``peer`` (this one included): ``copy(dst, src)`` copies a peer's tensor (or a view of it)
-        into ``dst`` on this rank's device, on the peer's stream."""
-        stream = torch.cuda.current_stream(self.devices[rank]) if self.devices[rank].type == "cuda" else None
-        posted = self._post(rank, (tuple(tensors), stream))
+        into ``dst`` on this rank's device; this rank's current stream waits for it."""
+        posted = self.post(rank, tensors)
         for peer in range(self.size):
-            peer_tensors, peer_stream = posted[peer]
-            fill(peer, peer_tensors, _copier(peer_stream if peer != rank else None))
+            fill(peer, posted[peer][0], self.puller(rank, peer, posted))
 
 
-def _copier(stream):
-    """``copy(dst, src)`` on ``stream`` (the source's), or on the current stream when None (a rank's own tensors).
+def _copy(dst, src):
+    dst.copy_(src)
+
+
+def _puller(send, ready, stream, same_device: bool):
+    """``copy(dst, src)`` of a peer's tensor on the peer's send stream, after the peer's ``ready`` event, with
+    ``stream`` (this rank's) waiting for it.
 
     Between devices only whole blocks of memory travel: a strided source (a share of the heads) is first made
     contiguous on its own device, and a strided destination is filled from a contiguous copy on this one; a strided
-    copy across devices would read or write the other GPU's memory in pieces of one head's row."""
-    if stream is None:
-        def copy(dst, src):
-            dst.copy_(src)
-    else:
-        def copy(dst, src):
-            with torch.cuda.stream(stream):
-                if not src.is_contiguous():
-                    src = src.contiguous()
-                if dst.is_contiguous():
-                    dst.copy_(src, non_blocking=True)
-                    return
-                tmp = src.to(dst.device, non_blocking=True)
-            dst.copy_(tmp)
+    copy across devices would read or write the other GPU's memory in pieces of one head's row.  Across devices PyTorch
+    orders the copy between the two current streams (``send`` and ``stream`` here); on one device (ranks simulated on
+    one GPU) that is done here."""
+    waited = []
+
+    def copy(dst, src):
+        with torch.cuda.stream(stream), torch.cuda.stream(send):
+            if not waited:
+                send.wait_event(ready)
+                waited.append(True)
+            if same_device:
+                send.wait_stream(stream)
+                dst.copy_(src)
+                stream.wait_stream(send)
+                return
+            if not src.is_contiguous():
+                src = src.contiguous()
+            if dst.is_contiguous():
+                dst.copy_(src, non_blocking=True)
+                return
+            tmp = src.to(dst.device, non_blocking=True)
+            dst.copy_(tmp)  # on ``stream``: this device's current stream here
     return copy
 
 

@@ -17,6 +17,9 @@ attention is computed on one device over the whole sequence, as on one GPU.
   mask's heads, where it has a head dimension).  A mask that differs by query cannot be split this way.
 - **A mask the model made for the whole sequence** (Flux's Redux attention bias: ``[..., L or 1, L]``) applies as it
   is: each rank's kernel sees the whole sequence in its one-GPU order; a mask per head is cut to the rank's heads.
+- **The exchange overlaps the kernel** on long sequences: this rank's heads go in parts (:func:`pipeline_parts`); the
+  parts arrive on a receive stream one after the other while the kernel runs on the part before, and each part's
+  output goes back while the kernel runs on the next (calls with a mask: one part).
 - **Masks over ranges of query rows** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
   side of the exchange, where each rank holds every token: the kernel runs once per range of query rows, each with
   that range's mask, so no ``[L, L]`` mask is ever made.
@@ -126,67 +129,104 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
         # made for the whole sequence (with one query row and one rank the two kinds are the same)
         whole_mask, mask = rank_mask(mask, full, h, g * a, g * c), None
     dev = q.device
-    bufs = [torch.empty(b, full, g * c, d, dtype=q.dtype, device=dev), torch.empty(b, full, c, d, dtype=k.dtype, device=dev),
-            torch.empty(b, full, c, dv, dtype=v.dtype, device=dev)]
+    # the heads in parts, each exchanged while the kernel runs on the one before (no mask: one part with a mask)
+    parts = split(c, pipeline_parts(group, full, h)) if mask is None and whole_mask is None and masks is None \
+        else [(0, c)]
+    recv = group.receiving(rank)
+    bufs = [[torch.empty(b, full, g * n, d, dtype=q.dtype, device=dev), torch.empty(b, full, n, d, dtype=k.dtype, device=dev),
+             torch.empty(b, full, n, dv, dtype=v.dtype, device=dev)] for _, n in parts]
     posted, mask_heads = (q, k, v), False
     if mask is not None:
         mask_heads = mask.ndim == 4 and mask.shape[1] > 1  # a head dimension: this rank's query heads
         mshape = (*mask.shape[:-3], g * c if mask_heads else mask.shape[-3], 1, full) if mask.ndim > 2 else (1, full)
-        bufs.append(torch.empty(mshape, dtype=mask.dtype, device=dev))
+        bufs[0].append(torch.empty(mshape, dtype=mask.dtype, device=dev))
         posted += (mask,)
+    compute = torch.cuda.current_stream(dev) if recv is not None else None
+    if recv is not None:
+        recv.wait_stream(compute)  # the buffers were made on the compute stream
 
     def mask_cols(m, cols):  # a rank's mask columns ``cols``, its heads only
         return m[:, g * a:g * (a + c), :, cols] if mask_heads else m[..., cols]
 
-    def fill_in(peer, tensors, copy):
-        if c == 0:
-            return
-        qf, kf, vf = bufs[:3]
+    def fill_in(peer, tensors, copy, part, pbufs):
+        qf, kf, vf = pbufs[:3]
         qp, kp, vp = tensors[:3]
+        lo, hi = a + part[0], a + part[0] + part[1]
         s0, sc = layout.shards[peer]
         if sc:
             rows = slice(p + s0, p + s0 + sc)
             src = slice(p, p + sc)
-            copy(qf[:, rows], qp[:, src, g * a:g * (a + c)])
-            copy(kf[:, rows], kp[:, src, a:a + c])
-            copy(vf[:, rows], vp[:, src, a:a + c])
+            copy(qf[:, rows], qp[:, src, g * lo:g * hi])
+            copy(kf[:, rows], kp[:, src, lo:hi])
+            copy(vf[:, rows], vp[:, src, lo:hi])
             if mask is not None:
-                copy(bufs[3][..., rows], mask_cols(tensors[3], src))
+                copy(pbufs[3][..., rows], mask_cols(tensors[3], src))
         if peer == rank:  # the tokens every rank holds whole: from this rank's own copy
             for dst_rows, src_rows in _ends(p, sfx, full, q.shape[1]):
-                copy(qf[:, dst_rows], q[:, src_rows, g * a:g * (a + c)])
-                copy(kf[:, dst_rows], k[:, src_rows, a:a + c])
-                copy(vf[:, dst_rows], v[:, src_rows, a:a + c])
+                copy(qf[:, dst_rows], q[:, src_rows, g * lo:g * hi])
+                copy(kf[:, dst_rows], k[:, src_rows, lo:hi])
+                copy(vf[:, dst_rows], v[:, src_rows, lo:hi])
                 if mask is not None:
-                    copy(bufs[3][..., dst_rows], mask_cols(mask, src_rows))
+                    copy(pbufs[3][..., dst_rows], mask_cols(mask, src_rows))
 
-    group.exchange(rank, posted, fill_in)
-    if c:
-        if mask is not None:
-            of = local(*bufs[:3], mask=bufs[3])
-        elif whole_mask is not None:
-            of = local(*bufs, mask=whole_mask)
-        else:
-            of = (masks.around(local) if masks is not None else local)(*bufs)
-    else:
-        of = torch.empty(b, full, 0, dv, dtype=v.dtype, device=dev)
-    bufs.clear()  # the kernel's inputs go before the output is exchanged
+    got = group.post(rank, posted)
+    arrived = []
+    for part, pbufs in zip(parts, bufs):
+        if part[1]:
+            for peer in range(group.size):
+                fill_in(peer, got[peer][0], group.puller(rank, peer, got, recv), part, pbufs)
+        arrived.append(recv.record_event() if recv is not None else None)
+    del got
     s0, sc = layout.shards[rank]
-    out = torch.empty(b, q.shape[1], h, dv, dtype=of.dtype, device=dev)
-
-    def fill_out(peer, tensors, copy):
-        (op,) = tensors
-        pa, pc = kv_heads[peer]
-        if pc == 0:
-            return
-        heads = slice(g * pa, g * (pa + pc))
-        if sc:
-            copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
-        for src_rows, dst_rows in _ends(p, sfx, full, q.shape[1]):
-            copy(out[:, dst_rows, heads], op[:, src_rows])
-
-    group.exchange(rank, (of,), fill_out)
+    out = None
+    for i, (part, event) in enumerate(zip(parts, arrived)):
+        if event is not None:
+            compute.wait_event(event)
+        if not part[1]:
+            of = torch.empty(b, full, 0, dv, dtype=v.dtype, device=dev)
+        elif mask is not None:
+            of = local(*bufs[i][:3], mask=bufs[i][3])
+        elif whole_mask is not None:
+            of = local(*bufs[i], mask=whole_mask)
+        else:
+            of = (masks.around(local) if masks is not None else local)(*bufs[i])
+        bufs[i] = None  # the kernel's inputs go before the output is exchanged
+        if out is None:
+            out = torch.empty(b, q.shape[1], h, dv, dtype=of.dtype, device=dev)
+            if recv is not None:
+                recv.wait_stream(compute)  # ``out`` was made on the compute stream
+        back = group.post(rank, (of,))
+        del of
+        for peer in range(group.size):
+            (op,) = back[peer][0]
+            pa, pc = kv_heads[peer]
+            pl, pn = split(pc, len(parts))[i]
+            if pn == 0:
+                continue
+            heads = slice(g * (pa + pl), g * (pa + pl + pn))
+            copy = group.puller(rank, peer, back, recv)
+            if sc:
+                copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
+            for src_rows, dst_rows in _ends(p, sfx, full, q.shape[1]):
+                copy(out[:, dst_rows, heads], op[:, src_rows])
+    if recv is not None:
+        compute.wait_stream(recv)
     return out
+
+
+def pipeline_parts(group: Group, full: int, heads: int) -> int:
+    """In how many parts the heads of an exchanged call are sent, each part's exchange overlapping the kernel of the
+    one before: :data:`PIPELINE_PARTS` for sequences of :data:`PIPELINE_MIN_TOKENS` or more on GPUs (where a kernel
+    over a part of the heads still fills the GPU), else one."""
+    if group.devices[0].type != "cuda" and group.pipeline is None:
+        return 1
+    if group.pipeline is not None:
+        return group.pipeline
+    return PIPELINE_PARTS if full >= PIPELINE_MIN_TOKENS else 1
+
+
+PIPELINE_PARTS = 2
+PIPELINE_MIN_TOKENS = 16384
 
 
 def mask_problem(mask, local_keys: int, full: int, heads: int) -> str | None:

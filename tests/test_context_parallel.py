@@ -62,10 +62,12 @@ def run_ranks(n, fn):
     return out, errs
 
 
+@pytest.mark.parametrize("pipeline", [None, 2, 3])
 @pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens", [
     (2, 4, 4, 0, 0, 37), (3, 40, 40, 5, 0, 50), (4, 3, 3, 0, 7, 21), (4, 8, 2, 3, 2, 33), (3, 2, 2, 0, 0, 10),
     (2, 24, 24, 11, 0, 64)])
-def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens):
+def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens, pipeline):
+    """... with the heads sent in ``pipeline`` parts (None: one on the CPU), each part its own kernel call."""
     g = torch.Generator().manual_seed(n * 100 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
@@ -74,7 +76,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
     v = torch.randn(b, L, kv_heads, d + 2, generator=g, dtype=torch.float64)
     ref = whole(q, k, v)
     lay = U.shard_layout(tokens, n, prefix, suffix)
-    group = G.Group(["cpu"] * n)
+    group = G.Group(["cpu"] * n, pipeline=pipeline)
 
     def local(t, r):
         return rank_rows(t, lay, r)
@@ -90,9 +92,10 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
     for r in range(n):
         assert outs[r].shape == (b, lay.local_len(r), heads, d + 2)
         assert (outs[r] - local(ref, r)).abs().max() < 1e-12
-    # every rank's kernel saw the whole sequence and its share of the heads (fewer heads than ranks: some see none)
-    per_rank = [c for _, c in G.split(kv_heads, n)]
-    assert sorted(s[2] for s in calls) == sorted(c * heads // kv_heads for c in per_rank if c)
+    # every rank's kernel saw the whole sequence and its share of the heads (fewer heads than ranks: some see none),
+    # in parts when pipelined
+    parts = [m for _, c in G.split(kv_heads, n) for _, m in G.split(c, pipeline or 1)]
+    assert sorted(s[2] for s in calls) == sorted(m * heads // kv_heads for m in parts if m)
     assert all(s[1] == L for s in calls)
 
 

@@ -4,7 +4,8 @@
         --rows 1:unpatched,1:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 --json mg.json --md mg.md
 
 A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``cp`` (the Context Parallel node over every GPU), ``cfg`` (ComfyUI's
-MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of GPUs per cond); backend ``unpatched``
+MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of GPUs per cond), ``cp@N`` (Context Parallel with every exchanged
+call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``cp``: the pack's rule); backend ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
 first (the same weights; ComfyUI's own deep clones need a loader's file, these weights never were one).
@@ -81,6 +82,7 @@ def with_copies(model, extra):
 
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
+    mode = mode.split("@")[0]
     m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend)
     if mode == "1":
         return m
@@ -124,8 +126,12 @@ def profile_step(e2e, m, job) -> str:
 
 def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
     out, lat = [], {}
+    uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
+    rule = (uly.PIPELINE_PARTS, uly.PIPELINE_MIN_TOKENS)
     for row in rows:
         r = {"row": row, "cfg": job.cfg, "steps": job.steps}
+        parts = row.split(":", 1)[0].partition("@")[2]
+        uly.PIPELINE_PARTS, uly.PIPELINE_MIN_TOKENS = (int(parts), 0) if parts else rule
         try:
             m = row_model(pack, cpn, job, extra, row)
             t0 = time.perf_counter()
@@ -146,6 +152,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
+        uly.PIPELINE_PARTS, uly.PIPELINE_MIN_TOKENS = rule
         torch.cuda.empty_cache()
         out.append(r)
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
