@@ -46,6 +46,9 @@
 #                  to STANDIN_WEIGHTS (default /tmp/standin.safetensors), measures its attention's concentration, the
 #                  rows at 480p (and 720p) with PSNR/SSIM against its fp32 run, and the gate calibration, inside
 #                  QUALITY_BUDGET seconds (default 460; what does not fit is listed as not reached)
+#   quality-720p   auto and auto_fast at 720p beside unpatched, sdpa_cudnn, sage_fp8_sm90 and sparse settings, the step of
+#                  unpatched and sage_fp8_sm90 profiled (attention's share); trains first unless STANDIN_WEIGHTS exists
+#                  (QUALITY_ROWS, QUALITY_PROFILE_ROWS, QUALITY_BUDGET default 500 s)
 #   quality-more   a second call on the same machine with the saved weights: 720p rows and the whole calibration sweep
 #   quality-auto   auto and auto_fast beside unpatched, sdpa_cudnn, sage_fp8_sm90 and kitchen_sol at 480p, then 720p
 #                  (the stand-in from STANDIN_WEIGHTS when a quality call on this machine left it, else trained first;
@@ -273,6 +276,15 @@ stage_quality-auto() {
   [ -f "$w" ] && { phases=load,rows-480p,rows-720p; skip=--skip-train; }
   timeout 540 $PY tests/gpu/quality.py --out "$OUT/auto" --budget "${QUALITY_BUDGET:-480}" $skip --phases $phases \
     --rows unpatched,sdpa_cudnn,sage_fp8_sm90,kitchen_sol 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
+}
+QUALITY720_ROWS=unpatched,sdpa_cudnn,sage_fp8_sm90,kitchen_sol,sparge,kitchen_sol[tau=0.5],sparge[cdfthreshd=0.9]
+stage_quality-720p() {  # auto and auto_fast at 720p beside the exact, 8-bit and sparse rows; two rows profiled
+  local w=${STANDIN_WEIGHTS:-/tmp/standin.safetensors} phases=train,load,rows-720p skip=
+  [ -f "$w" ] && { phases=load,rows-720p; skip=--skip-train; }
+  local budget=${QUALITY_BUDGET:-500}
+  timeout $(( budget + 45 )) $PY tests/gpu/quality.py --out "$OUT/q720" --budget "$budget" $skip --phases $phases \
+    --rows "${QUALITY_ROWS:-$QUALITY720_ROWS}" --profile-rows "${QUALITY_PROFILE_ROWS:-unpatched,sage_fp8_sm90}" \
+    2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
 }
 stage_quality-more() {
   timeout 560 $PY tests/gpu/quality.py --out "$OUT/more" --skip-train --budget "${QUALITY_BUDGET:-520}" --sweep 12 \
