@@ -33,7 +33,7 @@ def test_classic_input_types_follow_the_definitions():
                                    "sparse_start_percent"}
     choices, opts = it["required"]["backend"]
     assert choices[:2] == ["auto", "disabled"] and "sdpa" in choices and "kitchen_int8" in choices
-    assert opts["default"] == "auto" and "fastest kernel this GPU runs" in opts["tooltip"]
+    assert opts["default"] == "auto" and "fastest kernel within 3 dB of exact" in opts["tooltip"]
     assert it["required"]["start_percent"] == ("FLOAT", {"default": 0.0, "tooltip": it["required"]["start_percent"][1]["tooltip"],
                                                          "min": 0.0, "max": 1.0, "step": 0.01})
     assert cls.RETURN_TYPES == ("MODEL",) and cls.FUNCTION == "run" and cls.CATEGORY.startswith("model_patches")
