@@ -73,7 +73,9 @@
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds)
-#   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split
+#   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
+#                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
+#   multigpu-more  CFG Split unpatched vs sdpa (the pass-through's cost), Flux-dev 1024² at CFG 1, Wan 1.3B overlap on/off
 #   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
@@ -324,10 +326,18 @@ stage_multigpu() {
     --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" --profile "${MG_PROFILE:-}" \
     --json "$OUT/multigpu-$p-cfg$c.json" --md "$OUT/multigpu-$p-cfg$c.md" 2>&1 | grep -v "it/s\]" | tail -n 60
 }
-MG14_ROWS=1:auto_exact,1:sage_fp8_sm90,cp:auto_exact,cp:sage_fp8_sm90
-stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute call)
-  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=${MG14_LIMIT:-310} MG_ROWS=$MG14_ROWS stage_multigpu
-  MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=150 MG_ROWS=$MG14_ROWS MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
+MG14_ROWS=1:auto_exact,1:sage_fp8_sm90,cp@1:sage_fp8_sm90,cp:sage_fp8_sm90,cp@4:sage_fp8_sm90,cp:auto_exact
+stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute call); cp@1: no overlap, cp@4: 4 parts
+  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=${MG14_LIMIT:-320} MG_ROWS=${MG14_ROWS_720P:-$MG14_ROWS} stage_multigpu
+  MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=${MG14_LIMIT_480P:-200} MG_ROWS=${MG14_ROWS_480P:-$MG14_ROWS} \
+    MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
+}
+stage_multigpu-more() {  # CFG Split's pass-through (Wan 1.3B, CFG 5), Flux-dev 1024² at CFG 1, Wan 1.3B with overlap on/off
+  MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=110 MG_ROWS=1:unpatched,1:sdpa,cfg:unpatched,cfg:sdpa stage_multigpu
+  MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 \
+    MG_ROWS=1:unpatched,cp:unpatched,1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
+  MG_PRESET=wan-1.3b MG_STEPS=3 MG_LIMIT=110 \
+    MG_ROWS=1:auto_exact,cp@1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp@1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
 }
 stage_multigpu-diagnose() {  # why Sage's CFG Split latent differs from one GPU's (Wan 1.3B 480p, CFG 5)
   MG_CFG=5 MG_ROWS=none MG_DIAGNOSE=${MG_DIAGNOSE:-sage_fp8_sm90} MG_LIMIT=90 stage_multigpu
