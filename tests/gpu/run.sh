@@ -90,6 +90,15 @@
 #   cp-flux        context parallelism for Flux.1/Flux.2 on every GPU of the machine (tests/gpu/cp_flux.py): the zoo's Flux
 #                  configurations split over 2 and all GPUs against one GPU, and a Flux-dev-shaped model's time per step
 #                  (CP_GPUS=2,4 picks the counts, CP_DEPTH its double blocks)
+#   cp-zoo         context parallelism over the model zoo (tests/gpu/cp_zoo.py): every zoo configuration whose model has a
+#                  context-parallel unit, at its GPU sizes in bf16, per backend on the first GPU and split over every GPU,
+#                  the split latent against the one-GPU one within the backend's class, every forward split (or the
+#                  unit's reason logged); backends CP_ZOO_BACKENDS (default unpatched,auto,auto_exact,sage_fp8_sm90,
+#                  sdpa_cudnn,flash_attn4; those not installed are reported as such), CP_ZOO_BUDGET seconds (default
+#                  270), CP_ZOO_ONLY=a,b, CP_ZOO_GPUS=n, CP_ZOO_CASE_TIMEOUT (default 60 s), CP_ZOO_DEVICE=cpu (the dry
+#                  run: fp32, ranks simulated as threads); fails when a case fails
+#
+# The runner's exit status is 1 when a stage returned non-zero (cp-zoo on a failing case).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -373,12 +382,31 @@ stage_cp-flux() {
   tail -n 40 "$OUT/cp-flux.txt"
 }
 
-[ $# -gt 0 ] || { sed -n '2,88p' "$0"; exit 2; }
+CP_ZOO_BACKENDS_DEFAULT=unpatched,auto,auto_exact,sage_fp8_sm90,sdpa_cudnn,flash_attn4
+stage_cp-zoo() {
+  local budget=${CP_ZOO_BUDGET:-270} rc
+  timeout $(( ${budget%.*} + 90 )) $PY tests/gpu/cp_zoo.py --json "$OUT/cp-zoo.json" --md "$OUT/cp-zoo.md" \
+    --budget "$budget" --backends "${CP_ZOO_BACKENDS:-$CP_ZOO_BACKENDS_DEFAULT}" --gpus "${CP_ZOO_GPUS:-0}" \
+    --case-timeout "${CP_ZOO_CASE_TIMEOUT:-60}" --device "${CP_ZOO_DEVICE:-cuda}" ${CP_ZOO_ONLY:+--only "$CP_ZOO_ONLY"} \
+    > "$OUT/cp-zoo.txt" 2>&1
+  rc=$?
+  echo "tests/gpu/cp_zoo.py exit status $rc; every case in cp-zoo.txt, the table in cp-zoo.md"
+  grep -E "FAIL|CRASH|^    \| |^cp-zoo:|Traceback|Error" "$OUT/cp-zoo.txt" | grep -vE ": not (installed|runnable here) \(" \
+    | tail -n 100
+  echo "not run here (cases):"
+  grep -E "^cp-zoo [^ ]+ [^ ]+: not (installed|runnable here) \(" "$OUT/cp-zoo.txt" | sed -E 's/^cp-zoo [^ ]+ //' \
+    | sort | uniq -c
+  return $(( rc != 0 ))
+}
+
+[ $# -gt 0 ] || { sed -n '2,/^set -u$/{/^#/p;}' "$0"; exit 2; }
 for s in "$@"; do
   declare -F "stage_$s" >/dev/null || { echo "unknown stage $s"; exit 2; }
 done
+status=0
 for s in "$@"; do
   say "$s"
-  "stage_$s" > >(tee -a "$OUT/$s.log") 2>&1  # not a pipe: stage_env's exports must reach later stages
+  "stage_$s" > >(tee -a "$OUT/$s.log") 2>&1 || { status=1; say "$s returned non-zero"; }  # not a pipe: stage_env's exports must reach later stages
 done
 say "done"
+exit $status

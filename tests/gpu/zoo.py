@@ -300,19 +300,49 @@ def render(meta, results, not_reached, unbuilt) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def common_args(ap, env: str, budget: float, backends: str) -> None:
+    """The zoo's options (also tests/gpu/cp_zoo.py's); each option's default from ``<env>_<OPTION>`` when set."""
     ap.add_argument("--json", required=True)
     ap.add_argument("--md")
-    ap.add_argument("--budget", type=float, default=float(os.environ.get("ZOO_BUDGET", 480)),
-                    help="seconds; no configuration starts after it (default 480, ZOO_BUDGET)")
-    ap.add_argument("--part", default=os.environ.get("ZOO_PART", "1/1"), help="i/n: every n-th configuration from the i-th")
-    ap.add_argument("--only", default=os.environ.get("ZOO_ONLY", ""), help="comma-separated configurations/variants")
-    ap.add_argument("--backends", default=os.environ.get("ZOO_BACKENDS", ""),
-                    help="comma-separated (default: every installed backend and auto)")
-    ap.add_argument("--case-timeout", type=int, default=int(os.environ.get("ZOO_CASE_TIMEOUT", 120)),
+    ap.add_argument("--budget", type=float, default=float(os.environ.get(f"{env}_BUDGET", budget)),
+                    help=f"seconds; no configuration starts after it (default {budget:g}, {env}_BUDGET)")
+    ap.add_argument("--part", default=os.environ.get(f"{env}_PART", "1/1"),
+                    help="i/n: every n-th configuration from the i-th")
+    ap.add_argument("--only", default=os.environ.get(f"{env}_ONLY", ""), help="comma-separated configurations/variants")
+    ap.add_argument("--backends", default=os.environ.get(f"{env}_BACKENDS", ""),
+                    help=f"comma-separated (default: {backends})")
+    ap.add_argument("--case-timeout", type=int, default=int(os.environ.get(f"{env}_CASE_TIMEOUT", 120)),
                     help="seconds for one sampling run before it is recorded as timed out")
     ap.add_argument("--device", default="cuda", help="cpu: a dry run of this script in fp32 (no kernels)")
+
+
+def config_names(z, only: str = "") -> list[str]:
+    """Every configuration of the ComfyUI under test, then the zoo's variants (``only``: comma-separated, those)."""
+    import comfy.supported_models as sm
+
+    names = [c.__name__ for c in sm.models] + list(z.VARIANTS)
+    if only:
+        want = set(only.split(","))
+        names = [n for n in names if n in want]
+    return names
+
+
+def part_of(names: list, part: str) -> list:
+    """``part`` "i/n": every n-th of ``names`` from the i-th."""
+    i, n = (int(x) for x in part.split("/"))
+    return names[i - 1::n]
+
+
+def resolve(z, name: str):
+    """(configuration class name, builder) of a configuration or variant; (name, None) where tests/zoo builds none."""
+    if name in z.VARIANTS:
+        return z.VARIANTS[name]
+    return name, z.BUILDERS.get(name)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    common_args(ap, "ZOO", 480, "every installed backend and auto")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
     import torch
@@ -329,12 +359,7 @@ def main(argv=None) -> int:
     A = mod.attention
     installed = [n for n in A.REGISTRY.available()]
     backends = [b for b in a.backends.split(",") if b] or [*installed, "auto"]
-    names = [c.__name__ for c in sm.models] + list(z.VARIANTS)
-    if a.only:
-        want = set(a.only.split(","))
-        names = [n for n in names if n in want]
-    i, n = (int(x) for x in a.part.split("/"))
-    names = names[i - 1::n]
+    names = part_of(config_names(z, a.only), a.part)
     meta = {"gpu": torch.cuda.get_device_name() if a.device == "cuda" else "cpu (dry run)", "torch": torch.__version__, "comfyui": release(path),
             "date": datetime.datetime.now().strftime("%Y-%m-%d %H:%M"), "backends": backends, "installed": installed,
             "budget_s": a.budget, "part": a.part, "steps": 2}
@@ -356,11 +381,8 @@ def main(argv=None) -> int:
             not_reached += names[k:]
             print(f"zoo: time budget spent; not reached: {', '.join(names[k:])}", flush=True)
             break
-        if name in z.VARIANTS:
-            config, builder = z.VARIANTS[name]
-        elif name in z.BUILDERS:
-            config, builder = name, z.BUILDERS[name]
-        else:
+        config, builder = resolve(z, name)
+        if builder is None:
             unbuilt[name] = z.UNBUILT.get(name, "no builder in tests/zoo")
             print(f"zoo {name}: not built: {unbuilt[name][:120]}", flush=True)
             continue
