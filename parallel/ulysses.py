@@ -17,9 +17,9 @@ attention is computed on one device over the whole sequence, as on one GPU.
   mask's heads, where it has a head dimension).  A mask that differs by query cannot be split this way.
 - **A mask the model made for the whole sequence** (Flux's Redux attention bias: ``[..., L or 1, L]``) applies as it
   is: each rank's kernel sees the whole sequence in its one-GPU order; a mask per head is cut to the rank's heads.
-- **The exchange overlaps the kernel** on long sequences: this rank's heads go in parts (:func:`pipeline_parts`); the
-  parts arrive on a receive stream one after the other while the kernel runs on the part before, and each part's
-  output goes back while the kernel runs on the next (calls with a mask: one part).
+- **The exchange can overlap the kernel**: this rank's heads go in parts (:func:`pipeline_parts`; one by default: over
+  NVLink it did not pay); the parts arrive on a receive stream one after the other while the kernel runs on the part
+  before, and each part's output goes back while the kernel runs on the next (calls with a mask: one part).
 - **Masks over ranges of query rows** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
   side of the exchange, where each rank holds every token: the kernel runs once per range of query rows, each with
   that range's mask, so no ``[L, L]`` mask is ever made.
@@ -225,7 +225,10 @@ def pipeline_parts(group: Group, full: int, heads: int) -> int:
     return PIPELINE_PARTS if full >= PIPELINE_MIN_TOKENS else 1
 
 
-PIPELINE_PARTS = 2
+# Measured on 2x H100 (NVLink), Wan 2.1 14B, sage_fp8_sm90: one part x1.897 (720p) / x1.829 (480p), two x1.883 / x1.827,
+# four x1.867 / x1.804: over NVLink the exchange is too small a share (2-3 %) for the overlap to pay for smaller kernels
+# and a rendezvous per part. Kept for links where it is not (PCIe): Group(pipeline=N).
+PIPELINE_PARTS = 1
 PIPELINE_MIN_TOKENS = 16384
 
 

@@ -75,7 +75,8 @@
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds)
 #   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
-#   multigpu-more  CFG Split unpatched vs sdpa (the pass-through's cost), Flux-dev 1024² at CFG 1, Wan 1.3B overlap on/off
+#   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
+#                  on one GPU and split, one step of each profiled
 #   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
@@ -341,12 +342,12 @@ stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute c
   MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=${MG14_LIMIT_480P:-200} MG_ROWS=${MG14_ROWS_480P:-$MG14_ROWS} \
     MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
 }
-stage_multigpu-more() {  # CFG Split's pass-through (Wan 1.3B, CFG 5), Flux-dev 1024² at CFG 1, Wan 1.3B with overlap on/off
-  MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=110 MG_ROWS=1:unpatched,1:sdpa,cfg:unpatched,cfg:sdpa stage_multigpu
+stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (Wan 1.3B, CFG 5), Wan 14B 480p profiled
   MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 \
     MG_ROWS=1:unpatched,cp:unpatched,1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
-  MG_PRESET=wan-1.3b MG_STEPS=3 MG_LIMIT=110 \
-    MG_ROWS=1:auto_exact,cp@1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp@1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
+  MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=110 MG_ROWS=1:unpatched,1:sdpa,cfg:unpatched,cfg:sdpa stage_multigpu
+  MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=100 MG_ROWS=1:auto_exact,cp:auto_exact MG_PROFILE=1:auto_exact,cp:auto_exact \
+    stage_multigpu
 }
 stage_multigpu-diagnose() {  # why Sage's CFG Split latent differs from one GPU's (Wan 1.3B 480p, CFG 5)
   MG_CFG=5 MG_ROWS=none MG_DIAGNOSE=${MG_DIAGNOSE:-sage_fp8_sm90} MG_LIMIT=90 stage_multigpu
