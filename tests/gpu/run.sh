@@ -77,6 +77,8 @@
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
+#   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
+#                  on one GPU and split (the top device operations of both GPUs)
 #   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
@@ -348,6 +350,10 @@ stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (W
   MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=110 MG_ROWS=1:unpatched,1:sdpa,cfg:unpatched,cfg:sdpa stage_multigpu
   MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=100 MG_ROWS=1:auto_exact,cp:auto_exact MG_PROFILE=1:auto_exact,cp:auto_exact \
     stage_multigpu
+}
+stage_multigpu-profile() {  # one step of MG_PRESET with MG_BACKEND profiled on one GPU and split (where the time goes)
+  local b=${MG_BACKEND:-unpatched}
+  MG_STEPS=2 MG_LIMIT=${MG_LIMIT:-150} MG_ROWS=1:$b,cp:$b MG_PROFILE=1:$b,cp:$b stage_multigpu
 }
 stage_multigpu-diagnose() {  # why Sage's CFG Split latent differs from one GPU's (Wan 1.3B 480p, CFG 5)
   MG_CFG=5 MG_ROWS=none MG_DIAGNOSE=${MG_DIAGNOSE:-sage_fp8_sm90} MG_LIMIT=90 stage_multigpu
