@@ -106,12 +106,12 @@ def test_the_notes_explain_every_input_of_the_pack_s_nodes_and_why_a_value_is_no
 
 @pytest.mark.parametrize("path", UI, ids=os.path.basename)
 def test_the_saved_view_shows_the_whole_graph_in_a_1600x1000_window_at_a_readable_zoom(path):
-    """extra.ds fits the groups into the part of the canvas both frontends leave free in a 1600x1000 window, at a zoom
-    at which the frontend still draws widget text (tests/test_browser.py checks it in the frontends themselves)."""
+    """extra.ds fits the groups into the part of the canvas both frontends leave free in a 1600x1000 window, at zoom 1:
+    text at the frontend's own size (tests/test_browser.py checks it in the frontends themselves)."""
     gen = _generator()
     wf = json.load(open(path))
     ds = wf["extra"]["ds"]
-    assert 8 / 12 <= ds["scale"] <= 1.0
+    assert ds["scale"] == gen.SCALE == 1.0
     left, top, right, bottom = gen.VIEW
     for x, y, w, h in [g["bounding"] for g in wf["groups"]]:
         sx, sy = (x + ds["offset"][0]) * ds["scale"], (y + ds["offset"][1]) * ds["scale"]

@@ -111,34 +111,48 @@ def models_of(typ: str, widgets: dict) -> list:
 
 # The window a template is made to be read in (ComfyUI's page in a 1600x1000 browser window, as headless Chromium
 # gives it: the canvas is 1600x857) and the frontend's own parts over the canvas: the side bar on the left, the tab bar
-# and graph menu at the top, the minimap and zoom controls at the bottom right.
+# and graph menu at the top, the zoom controls at the bottom right. Frontend 1.27 (ComfyUI 0.3.64) puts its canvas
+# beside the side bar and below the menu (1536x779 from 64, 78): the same area in canvas pixels fits in it. The
+# minimap both frontends show by default (about 250x200 at the bottom right) is not left out: of the layouts layout()
+# finds at zoom 1, none keeps every node out of that corner, so view() puts the graph at the top and the minimap covers
+# the lowest part of the last column until it is closed.
 WINDOW = (1600, 1000)
 VIEW = (60, 86, 1526, 772)  # left, top, right, bottom of the canvas area a graph is fitted into (canvas pixels)
+SCALE = 1.0  # the zoom a template opens at: the frontend's own text size (layout() refuses a graph that needs less)
 
-# Node sizes in the frontend (title, one row per slot pair, one per widget); the browser test measures the real boxes
-# and fails on any overlap, so these only need to be generous.
-TITLE, SLOT, WIDGET, MULTILINE = 34, 22, 26, 100
-WIDTH = {"PatchAttention": 340, "Note": 400, "AttentionBackendsInfo": 400, "CLIPTextEncode": 400, "KSampler": 300,
-         "SpargeAttnSettings": 320, "TuneSpargeAttn": 320, "UNETLoader": 320, "CLIPLoader": 320, "DualCLIPLoader": 320,
-         "CheckpointLoaderSimple": 320}
-# room for what they show: the report (it scrolls), the image or video once sampled
-EXTRA_HEIGHT = {"AttentionBackendsInfo": 150, "SaveImage": 140, "SaveAnimatedWEBP": 0}
-NOTE_CHARS, NOTE_LINE = 58, 12  # characters per line of a Note this wide, and its line height (at zoom 1)
-COL_GAP, ROW_GAP, GROUP_PAD = 24, 12, 16
+# Node sizes as the frontend computes them (LiteGraph's computeSize in frontends 1.27 and 1.49): a row of SLOT per
+# input/output pair (one at least), WIDGET per widget, TEXT_BOX for a multiline text box, BOTTOM below the last widget
+# (NO_WIDGETS where there is none). The frontend keeps a saved size that is at least that (it enlarges a smaller one);
+# tests/test_browser.py checks that it keeps every size written here and that no two boxes overlap.
+SLOT, WIDGET, TEXT_BOX, BOTTOM, NO_WIDGETS = 20, 24, 54, 14, 6
+TEXT_BOXES = {"CLIPTextEncode": 1, "AttentionBackendsInfo": 1}  # Backends Info: its report box (web/patch_attention.js)
+EXTRA_WIDGETS = {"KSampler": 1, "AttentionBackendsInfo": 1}  # the seed's "control after generate"; the report box
+# widths: the frontend's own least is 140-250 for these nodes; loaders show most of a model file's name
+WIDTH = {"CheckpointLoaderSimple": 300, "UNETLoader": 300, "CLIPLoader": 300, "DualCLIPLoader": 300,
+         "CLIPTextEncode": 270, "EmptyHunyuanLatentVideo": 260, "VAEDecode": 160}
+DEFAULT_WIDTH = 250
+# room for what they show: the prompt, the report (it scrolls), the image once sampled
+EXTRA_HEIGHT = {"CLIPTextEncode": 12, "AttentionBackendsInfo": 32, "SaveImage": 100}
+NOTE_SIZE = (300, 220)  # the least a Note gets (its text scrolls); it grows into the room its group leaves
+# nodes that take the free height at the bottom of their stack in a group, in this order
+STRETCH = ("Note", "SaveImage", "SaveAnimatedWEBP", "AttentionBackendsInfo")
+COL_GAP, ROW_GAP, GROUP_GAP = 16, 10, 16  # between stacks in a group, between nodes in a stack, between groups
+GROUP_PAD = 8  # a group's margin left, right and below its nodes
 NODE_TITLE = 30  # a node's title bar, above its position (its size is the body's)
-GROUP_TITLE = 66  # from a group's top to its first node's position: the group's title bar, then the node's title
+GROUP_TITLE = 66  # from a group's top to its first node's position: the group's title bar (30 in frontend 1.49, 34 in
+#                   1.27), then the node's title
 STEP = ROW_GAP + NODE_TITLE  # from a node's bottom to the next node's position below it
 
 
-def node_size(typ, widgets):
-    ins, names, outs = IO[typ]
-    multiline = {"CLIPTextEncode": 1, "Note": 1}.get(typ, 0)
-    h = TITLE + SLOT * max(len(ins), len(outs)) + WIDGET * (len(names) - multiline) + MULTILINE * multiline
+def node_size(typ, widgets=None):
+    """[width, height] of a node's body (below its title): the frontend's own size, and the room in EXTRA_HEIGHT."""
     if typ == "Note":
-        text = widgets.get("text", "")
-        lines = sum(1 + len(line) // NOTE_CHARS for line in text.split("\n"))
-        h = max(h, 40 + NOTE_LINE * lines)
-    return [WIDTH.get(typ, 300), h + EXTRA_HEIGHT.get(typ, 0)]
+        return list(NOTE_SIZE)
+    ins, names, outs = IO[typ]
+    rows = max(len(ins), len(outs), 1)
+    count, boxes = len(names) + EXTRA_WIDGETS.get(typ, 0), TEXT_BOXES.get(typ, 0)
+    h = SLOT * rows + (WIDGET * (count - boxes) + TEXT_BOX * boxes + BOTTOM if count else NO_WIDGETS)
+    return [WIDTH.get(typ, DEFAULT_WIDTH), h + EXTRA_HEIGHT.get(typ, 0)]
 
 
 def patch_widgets(**set_here):
@@ -289,8 +303,8 @@ def measured():
 
 
 MEASURED = measured()
-# groups as (title, key), left to right and top to bottom as layout() places them (the order that fits best)
-GROUPS = [("Load", 0), ("Prompt and latent", 2), ("Patch attention", 1), ("Sample", 3), ("Decode and save", 4)]
+# groups as (title, key), in the order layout() keeps when it sets them side by side or one above the other
+GROUPS = [("Load", 0), ("Prompt and latent", 2), ("Patch attention", 1), ("Sample and save", 3)]
 
 
 def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
@@ -307,8 +321,8 @@ def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
             (5, "EmptyLatentImage", {"width": size, "height": size, "batch_size": 1}, {}, 2),
             (6, "KSampler", {"seed": 42, "steps": steps, "cfg": cfg, "sampler_name": sampler, "scheduler": scheduler,
                              "denoise": 1.0}, {"model": (2, 0), "positive": (3, 0), "negative": (4, 0), "latent_image": (5, 0)}, 3),
-            (7, "VAEDecode", {}, {"samples": (6, 0), "vae": (1, 2)}, 4),
-            (8, "SaveImage", {"filename_prefix": "patch_attention"}, {"images": (7, 0)}, 4),
+            (7, "VAEDecode", {}, {"samples": (6, 0), "vae": (1, 2)}, 3),
+            (8, "SaveImage", {"filename_prefix": "patch_attention"}, {"images": (7, 0)}, 3),
         ],
     }
 
@@ -316,7 +330,7 @@ def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
 def flux_graph():
     pw = patch_widgets(log_stats=True)
     return {
-        "groups": [GROUPS[i] for i in (0, 2, 1, 3, 4)],
+        "groups": [GROUPS[i] for i in (0, 2, 1, 3)],
         "nodes": [
             (1, "UNETLoader", {"unet_name": "flux1-dev.safetensors", "weight_dtype": "default"}, {}, 0),
             (3, "DualCLIPLoader", {"clip_name1": "clip_l.safetensors", "clip_name2": "t5xxl_fp16.safetensors", "type": "flux",
@@ -332,8 +346,8 @@ def flux_graph():
             (7, "EmptySD3LatentImage", {"width": 1024, "height": 1024, "batch_size": 1}, {}, 2),
             (8, "KSampler", {"seed": 42, "steps": 20, "cfg": 1.0, "sampler_name": "euler", "scheduler": "simple", "denoise": 1.0},
              {"model": (2, 0), "positive": (5, 0), "negative": (6, 0), "latent_image": (7, 0)}, 3),
-            (10, "VAEDecode", {}, {"samples": (8, 0), "vae": (9, 0)}, 4),
-            (11, "SaveImage", {"filename_prefix": "patch_attention_flux"}, {"images": (10, 0)}, 4),
+            (10, "VAEDecode", {}, {"samples": (8, 0), "vae": (9, 0)}, 3),
+            (11, "SaveImage", {"filename_prefix": "patch_attention_flux"}, {"images": (10, 0)}, 3),
         ],
     }
 
@@ -363,9 +377,9 @@ def wan_graph():
             (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": WAN_FRAMES, "batch_size": 1}, {}, 2),
             (9, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
              {"model": (5, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3),
-            (10, "VAEDecode", {}, {"samples": (9, 0), "vae": (3, 0)}, 4),
+            (10, "VAEDecode", {}, {"samples": (9, 0), "vae": (3, 0)}, 3),
             (11, "SaveAnimatedWEBP", {"filename_prefix": "patch_attention_wan", "fps": 16.0, "lossless": False, "quality": 90,
-                                      "method": "default"}, {"images": (10, 0)}, 4),
+                                      "method": "default"}, {"images": (10, 0)}, 3),
         ],
     }
 
@@ -380,67 +394,66 @@ CP_NOTE = (
 
 
 def wan_multigpu_graph():
-    """The Wan 2.1 template with Context Parallel between Patch Attention and the sampler."""
+    """The Wan 2.1 template with Context Parallel between Patch Attention and the sampler: its note under the Patch
+    Attention note, the node under Patch Attention."""
     g = wan_graph()
-    nodes = []
+    nodes, patch_group = [], []
     for n in g["nodes"]:
         if n[1] == "KSampler":
             n = (n[0], n[1], n[2], {**n[3], "model": (14, 0)}, n[4])
-        nodes.append(n)
-    nodes += [(14, "ContextParallel", defaults("ContextParallel"), {"model": (5, 0)}, 1),
-              (15, "Note", {"text": CP_NOTE}, {}, 1)]
-    return {**g, "nodes": nodes}
+        (patch_group if n[4] == 1 else nodes).append(n)
+    note, patch, info = (next(n for n in patch_group if n[1] == t) for t in ("Note", "PatchAttention", "AttentionBackendsInfo"))
+    patch_group = [note, (15, "Note", {"text": CP_NOTE}, {}, 1), patch,
+                   (14, "ContextParallel", defaults("ContextParallel"), {"model": (5, 0)}, 1), info]
+    return {**g, "nodes": nodes + patch_group}
 
 
 TUNE_WIDGETS = {**defaults("TuneSpargeAttn"), "variant": "sparge", "profile_name": "wan2.1_t2v_1.3B"}
 SETTINGS_WIDGETS = {**defaults("SpargeAttnSettings"), "variant": "sparge", "profile": "wan2.1_t2v_1.3B.json"}
 SPARSE_PATCH = patch_widgets(backend="sparge", log_stats=True)
-TUNE_NOTE = (
-    "Sparse attention tuned per layer, in two runs. 1. Queue as it is: Tune Sparse Attention samples dense, finds "
-    "each layer's sparsest SpargeAttn thresholds within the error budget and writes them to "
-    "models/sparge_profiles.\n"
-    + inputs_note("TuneSpargeAttn", TUNE_WIDGETS) + "\n\nSpargeAttn is installed on Linux only (install.py builds it "
-    "there; Windows has none). Without it, set variant to kitchen_sol and use a Sol-Attn Settings node instead of "
-    "SpargeAttn Settings (it needs comfy-kitchen 0.2.40 or later), or sample with backend = auto."
-)
-SAMPLE_NOTE = (
-    "2. After run 1: click this group's title and press Ctrl+M to un-mute it, mute group 1 the same way, and queue "
-    "again. The profile fits one model file only.\n"
+SPARSE_NOTE = (
+    "Sparse attention tuned per layer, in two runs.\n"
+    "1. Queue as it is: Tune Sparse Attention samples dense, finds each layer's sparsest SpargeAttn thresholds within "
+    "the error budget and writes them to models/sparge_profiles. SpargeAttn Settings and Patch Attention are bypassed "
+    "(purple) in this run: the model passes them untouched.\n"
+    + inputs_note("TuneSpargeAttn", TUNE_WIDGETS) + "\n\n"
+    "2. After run 1: click Tune Sparse Attention's title and press Ctrl+B (bypassed now); click SpargeAttn Settings' "
+    "title, Ctrl+click Patch Attention's and press Ctrl+B (they run now). Queue again. The profile fits one model file "
+    "only.\n"
     "SpargeAttn Settings:\n" + inputs_note("SpargeAttnSettings", SETTINGS_WIDGETS) + "\n"
     "Patch Attention:\n" + inputs_note("PatchAttention", SPARSE_PATCH, only_set=True) + " The Wan 2.1 video "
-    "template's note explains each of them."
+    "template's note explains each of them.\n\n"
+    "SpargeAttn is installed on Linux only (install.py builds it there; Windows has none). Without it, set variant to "
+    "kitchen_sol and use a Sol-Attn Settings node instead of SpargeAttn Settings (it needs comfy-kitchen 0.2.40 or "
+    "later), or sample with backend = auto."
 )
+BYPASS = 4  # a node's mode: bypassed (its input goes through to its output of the same type)
 
 
 def sparge_graph():
+    """Tune, then sample with the profile: one sampler whose model comes through Tune Sparse Attention and Patch
+    Attention, of which one is bypassed in each run (run 1: Patch Attention and its settings)."""
     return {
-        "groups": [("Load", 0), ("1 · Tune Sparse Attention (run once)", 2), ("Prompt and latent", 1),
-                   ("2 · Sample with the profile (un-mute after run 1)", 3)],
+        "groups": [("Load", 0), ("Prompt and latent", 1), ("1 · Tune Sparse Attention (run 1)", 2),
+                   ("2 · Sample with the profile (run 2)", 3), ("Sample and save", 4)],
         "nodes": [
             (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
             (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
             (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
             (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
-
             (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
              {"clip": (2, 0)}, 1),
             (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 1),
             (8, "EmptyHunyuanLatentVideo", {"width": 832, "height": 480, "length": WAN_FRAMES, "batch_size": 1}, {}, 1),
+            (20, "Note", {"text": SPARSE_NOTE}, {}, 2),
             (9, "TuneSpargeAttn", TUNE_WIDGETS, {"model": (4, 0)}, 2),
-            (20, "Note", {"text": TUNE_NOTE}, {}, 2),
+            (13, "SpargeAttnSettings", SETTINGS_WIDGETS, {}, 3, BYPASS),
+            (14, "PatchAttention", SPARSE_PATCH, {"model": (9, 0), "sparse_settings": (13, 0)}, 3, BYPASS),
             (10, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
-             {"model": (9, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 2),
-            (11, "VAEDecode", {}, {"samples": (10, 0), "vae": (3, 0)}, 2),
-            (12, "SaveAnimatedWEBP", {"filename_prefix": "sparge_tuning_run", "fps": 16.0, "lossless": False, "quality": 90,
-                                      "method": "default"}, {"images": (11, 0)}, 2),
-            (21, "Note", {"text": SAMPLE_NOTE}, {}, 3),
-            (13, "SpargeAttnSettings", SETTINGS_WIDGETS, {}, 3, 2),
-            (14, "PatchAttention", SPARSE_PATCH, {"model": (4, 0), "sparse_settings": (13, 0)}, 3, 2),
-            (15, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
-             {"model": (14, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3, 2),
-            (16, "VAEDecode", {}, {"samples": (15, 0), "vae": (3, 0)}, 3, 2),
-            (17, "SaveAnimatedWEBP", {"filename_prefix": "sparge_profile_run", "fps": 16.0, "lossless": False, "quality": 90,
-                                      "method": "default"}, {"images": (16, 0)}, 3, 2),
+             {"model": (14, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 4),
+            (11, "VAEDecode", {}, {"samples": (10, 0), "vae": (3, 0)}, 4),
+            (12, "SaveAnimatedWEBP", {"filename_prefix": "sparse_attention_wan", "fps": 16.0, "lossless": False,
+                                      "quality": 90, "method": "default"}, {"images": (11, 0)}, 4),
         ],
     }
 
@@ -453,12 +466,24 @@ def _nodes(graph):
 
 
 def to_api(graph):
+    """The prompt the frontend would queue: muted and bypassed nodes left out, a link from a bypassed node taken from
+    that node's input of the same type (as the frontend does)."""
+    nodes = {nid: (typ, links, mode) for nid, typ, _w, links, _c, mode in _nodes(graph)}
+
+    def source(src, slot):
+        while nodes[src][2] == BYPASS:
+            out_type = IO[nodes[src][0]][2][slot][1]
+            ins = dict(IO[nodes[src][0]][0])
+            src, slot = next(link for name, link in nodes[src][1].items() if ins[name] == out_type)
+        return src, slot
+
     api = {}
     for nid, typ, widgets, links, _col, mode in _nodes(graph):
-        if typ in UI_ONLY or mode != 0:  # muted nodes are not part of the prompt ComfyUI would queue
+        if typ in UI_ONLY or mode != 0:  # muted or bypassed: not part of the prompt ComfyUI would queue
             continue
         inputs = dict(widgets)
-        for name, (src, slot) in links.items():
+        for name, link in links.items():
+            src, slot = source(*link)
             inputs[name] = [str(src), slot]
         api[str(nid)] = {"class_type": typ, "inputs": inputs, "_meta": {"title": typ}}
     return api
@@ -478,70 +503,135 @@ def _cuts(items: list) -> list:
     return out
 
 
-def _group_box(sizes: list, parts: int):
-    """A group's nodes (sizes, in order) in ``parts`` side-by-side stacks, the lowest such layout: (width, height,
-    [[node index]]), or None when there are fewer nodes than stacks."""
-    best = None
+def _group_options(sizes: list) -> list:
+    """The ways a group's nodes (sizes, in their order) stand in one to four side-by-side stacks of consecutive nodes:
+    [(width, height, [[node index]])], only those that no other way beats in both width and height."""
+    options = []
     for runs in _cuts(list(range(len(sizes)))):
-        if len(runs) != parts:
+        if len(runs) > 4:
             continue
-        w = sum(max(sizes[i][0] for i in r) for r in runs) + COL_GAP * (len(runs) - 1) + GROUP_PAD
+        w = sum(max(sizes[i][0] for i in r) for r in runs) + COL_GAP * (len(runs) - 1) + 2 * GROUP_PAD
         h = GROUP_TITLE + max(sum(sizes[i][1] for i in r) + STEP * (len(r) - 1) for r in runs) + GROUP_PAD
-        if best is None or h < best[1]:
-            best = (w, h, runs)
+        options.append((w, h, runs))
+    options.sort(key=lambda o: (o[0], o[1]))
+    best = []
+    for o in options:
+        if not best or o[1] < best[-1][1]:
+            best.append(o)
     return best
 
 
+def _blocks(lo: int, hi: int) -> list:
+    """Every way to arrange groups lo..hi-1 (in their order) as nested blocks: a group's index, or ("h", left, right)
+    side by side, or ("v", upper, lower) one above the other."""
+    if hi - lo == 1:
+        return [lo]
+    return [(o, a, b) for m in range(lo + 1, hi) for a in _blocks(lo, m) for b in _blocks(m, hi) for o in "hv"]
+
+
+def _extent(block, boxes) -> tuple:
+    """(width, height) of a block of groups whose boxes are ``boxes``."""
+    if isinstance(block, int):
+        return boxes[block][:2]
+    (aw, ah), (bw, bh) = _extent(block[1], boxes), _extent(block[2], boxes)
+    return (aw + GROUP_GAP + bw, max(ah, bh)) if block[0] == "h" else (max(aw, bw), ah + GROUP_GAP + bh)
+
+
+def _fill(block, boxes, x, y, w, h, out: dict) -> dict:
+    """Each group's rectangle when ``block`` fills (x, y, w, h): blocks side by side share the height, blocks one above
+    the other the width, and the last of two takes the room the first leaves."""
+    if isinstance(block, int):
+        out[block] = [x, y, w, h]
+        return out
+    aw, ah = _extent(block[1], boxes)
+    if block[0] == "h":
+        _fill(block[1], boxes, x, y, aw, h, out)
+        _fill(block[2], boxes, x + aw + GROUP_GAP, y, w - aw - GROUP_GAP, h, out)
+    else:
+        _fill(block[1], boxes, x, y, w, ah, out)
+        _fill(block[2], boxes, x, y + ah + GROUP_GAP, w, h - ah - GROUP_GAP, out)
+    return out
+
+
+def _place(members: list, runs: list, rect: list) -> dict:
+    """Positions and sizes of a group's nodes in its rectangle: its stacks side by side, the room the group has beyond
+    its nodes shared out to the stacks' widths, every node as wide as its stack, and the height a stack leaves free
+    given to its first node that shows text or a picture (STRETCH)."""
+    x0, y0, w, h = rect
+    widths = [max(members[i][1][0] for i in r) for r in runs]
+    spare = w - (sum(widths) + COL_GAP * (len(runs) - 1) + 2 * GROUP_PAD)
+    widths = [cw + spare // len(runs) for cw in widths]
+    inner = h - GROUP_TITLE - GROUP_PAD  # from the first node's position to the group's bottom margin
+    place, x = {}, x0 + GROUP_PAD
+    for r, cw in zip(runs, widths):
+        sizes = {i: [cw, members[i][1][1]] for i in r}
+        free = inner - (sum(s[1] for s in sizes.values()) + STEP * (len(r) - 1))
+        grow = next((i for t in STRETCH for i in r if members[i][2] == t), None)
+        if grow is not None:
+            sizes[grow][1] += free
+        y = y0 + GROUP_TITLE
+        for i in r:
+            place[members[i][0]] = ([x, y], sizes[i])
+            y += sizes[i][1] + STEP
+        x += cw + COL_GAP
+    return place
+
+
 def fit(width: float, height: float) -> float:
-    """The largest scale (at most 1: the frontend's own size) at which a graph this big fits the VIEW."""
+    """The largest scale (at most SCALE: the frontend's own size) at which a graph this big fits the VIEW."""
     left, top, right, bottom = VIEW
-    return min(1.0, (right - left) / width, (bottom - top) / height)
+    return min(SCALE, (right - left) / width, (bottom - top) / height)
 
 
 def layout(graph):
     """Node positions. A group's nodes stand in one to four stacks side by side; the groups (in their order) stand in
-    columns, top to bottom. Of every such layout, the one whose graph fits the window at the largest scale.
+    nested blocks, side by side or one above the other. Of every such layout that fits the VIEW at zoom SCALE, the one
+    with the fewest links that run right to left, then the shortest links. Raises ValueError when none fits.
     Returns ({id: (pos, size)}, [(title, bounding)], (width, height))."""
     import itertools
 
-    members = {}
-    for nid, typ, widgets, _l, col, _m in _nodes(graph):
-        members.setdefault(col, []).append((nid, node_size(typ, widgets)))
+    members, links = {}, []
+    for nid, typ, widgets, ins, col, _m in _nodes(graph):
+        members.setdefault(col, []).append((nid, node_size(typ, widgets), typ))
+        links += [(src, nid) for src, _slot in ins.values()]
     order = [c for _, c in graph["groups"]]
-    options = {c: [b for k in (1, 2, 3, 4) if (b := _group_box([s for _, s in members[c]], k))] for c in order}
-    best = None
-    for pick in itertools.product(*(range(len(options[c])) for c in order)):
-        boxes = {c: options[c][k] for c, k in zip(order, pick)}
-        for cols in _cuts(order):
-            w = sum(max(boxes[g][0] for g in col) for col in cols) + COL_GAP * (len(cols) - 1)
-            h = max(sum(boxes[g][1] for g in col) + COL_GAP * (len(col) - 1) for col in cols)
-            if best is None or fit(w, h) > fit(*best[2]) + 1e-9:
-                best = (boxes, cols, (w, h))
-    boxes, cols, size = best
-    place, bounds = {}, {}
-    x = 0
-    for col in cols:
-        cw = max(boxes[g][0] for g in col)
-        y = 0
-        for g in col:
-            sx = x + GROUP_PAD / 2
-            for run in boxes[g][2]:
-                gy = y + GROUP_TITLE
-                for i in run:
-                    nid, ns = members[g][i]
-                    place[nid] = ([sx, gy], ns)
-                    gy += ns[1] + STEP
-                sx += max(members[g][i][1][0] for i in run) + COL_GAP
-            bounds[g] = [x, y, cw, boxes[g][1]]
-            y += boxes[g][1] + COL_GAP
-        x += cw + COL_GAP
+    options = [_group_options([s for _, s, _t in members[c]]) for c in order]
+    blocks = _blocks(0, len(order))
+    best, smallest = None, None
+    for pick in itertools.product(*options):
+        for block in blocks:
+            size = _extent(block, pick)
+            if smallest is None or fit(*size) > fit(*smallest):
+                smallest = size
+            if fit(*size) < SCALE:
+                continue
+            rects = _fill(block, pick, 0, 0, *size, {})
+            place = {}
+            for k, c in enumerate(order):
+                place.update(_place(members[c], pick[k][2], rects[k]))
+            back = sum(place[dst][0][0] < place[src][0][0] for src, dst in links)
+            length = sum(abs(place[dst][0][0] - place[src][0][0] - place[src][1][0]) + abs(place[dst][0][1] - place[src][0][1])
+                         for src, dst in links)
+            key = (back, length)
+            if best is None or key < best[0]:
+                best = (key, place, rects, size)
+    if best is None:
+        left, top, right, bottom = VIEW
+        raise ValueError(
+            f"the graph does not fit a {WINDOW[0]}x{WINDOW[1]} window at zoom {SCALE}: its smallest layout is "
+            f"{smallest[0]}x{smallest[1]} canvas pixels (zoom {fit(*smallest):.3f}), the view {right - left}x{bottom - top}; "
+            "make nodes or notes smaller, or split a group")
+    _key, place, rects, size = best
     titles = {c: t for t, c in graph["groups"]}
-    return place, [(titles[c], bounds[c]) for c in order], size
+    return place, [(titles[c], rects[k]) for k, c in enumerate(order)], size
 
 
 def view(size) -> dict:
-    """extra.ds: the graph (origin at 0, 0) fitted to the VIEW of a WINDOW-sized browser window, centred across."""
+    """extra.ds: the graph (origin at 0, 0) at zoom SCALE in the VIEW of a WINDOW-sized browser window, centred across,
+    at the top (as far as it can be from the minimap, which both frontends show at the bottom right by default)."""
     scale = fit(*size)
+    if scale < SCALE:
+        raise ValueError(f"a {size[0]}x{size[1]} graph does not fit the view at zoom {SCALE}")
     left, top, right, _ = VIEW
     x = left + ((right - left) - size[0] * scale) / 2
     return {"scale": round(scale, 4), "offset": [round(x / scale, 1), round(top / scale, 1)]}
@@ -698,8 +788,12 @@ def main():
         if os.path.splitext(os.path.basename(stale))[0] not in WORKFLOWS:  # a template renamed or dropped
             os.remove(stale)
     for name, graph in WORKFLOWS.items():
+        try:
+            ui = to_ui(graph)
+        except ValueError as e:  # the graph does not fit the window at zoom SCALE
+            raise SystemExit(f"{name}: {e}") from None
         with open(os.path.join(OUT, f"{name}.json"), "w") as f:
-            json.dump(to_ui(graph), f, indent=1)
+            json.dump(ui, f, indent=1)
         with open(os.path.join(OUT, "api", f"{name}.json"), "w") as f:
             json.dump(to_api(graph), f, indent=1)
     print("wrote", ", ".join(WORKFLOWS))
