@@ -65,6 +65,9 @@ class RankContext:
             self.why = why_not
         elif tokens < self.size:
             self.why = f"{tokens} tokens, fewer than {self.size} GPUs"
+        elif tokens < self.group.min_tokens:
+            self.why = (f"{tokens:,} tokens to split, fewer than {self.group.min_tokens:,}: a step this short is faster on "
+                        "one GPU (each GPU's share of the host's work runs under one Python lock)")
         elif clash:
             self.why = (f"a GPU's share ({clash[0]} tokens) is as long as the text or image sequence it attends to, "
                         "so its attention calls could not be told apart")

@@ -39,8 +39,9 @@ class Group:
     """``len(devices)`` ranks of one forward (a device may repeat: ranks simulated on the CPU in tests).  ``pipeline``:
     in how many parts an exchanged attention call sends its heads (None: by the sequence's length)."""
 
-    def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None):
+    def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0):
         self.devices = [torch.device(d) for d in devices]
+        self.min_tokens = min_tokens  # a forward with fewer tokens to split runs on the first rank alone
         self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.pipeline_parts)
         self.size = len(self.devices)
         self._barrier = threading.Barrier(self.size, timeout=timeout)

@@ -291,6 +291,31 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
 
 
 @pytest.mark.comfyui
+def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zoo, caplog):
+    """Below ``min_tokens`` (MIN_SPLIT_TOKENS on GPUs: a short step is host-bound when split) a forward runs whole on
+    the first GPU: the one-GPU latent, no call exchanged, the reason logged once per run; at the limit it splits."""
+    z, mod, mappings = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    tokens = int(torch.tensor(case.latent[2:]).prod()) // 4  # the (1, 2, 2) patches of the latent: Wan's tokens
+    counts, real, counting = _exchanged_calls(mod)
+    mod.parallel.context.RankContext.attention = counting
+    try:
+        with caplog.at_level("WARNING"):
+            out = z.sample(_split(mod, base, 2, min_tokens=tokens + 1), case)
+        assert counts == [] and torch.equal(out, ref)
+        said = [r.getMessage() for r in caplog.records if "fewer than" in r.getMessage()]
+        assert len(said) == 1 and f"{tokens:,} tokens to split, fewer than {tokens + 1:,}" in said[0], said
+        out = z.sample(_split(mod, base, 2, min_tokens=tokens), case)
+        assert counts and rel_l1(out, ref) < 1e-5
+    finally:
+        mod.parallel.context.RankContext.attention = real
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    assert cpn.MIN_SPLIT_TOKENS == 16384
+
+
+@pytest.mark.comfyui
 def test_a_model_without_a_unit_samples_on_one_gpu_and_says_so_once(zoo):
     """An SD 1.5 UNet has no unit: the node leaves it on one GPU, and sampling says so once, naming the model."""
     from comfyui_support import sample, tiny_sd

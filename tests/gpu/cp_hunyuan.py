@@ -116,7 +116,7 @@ def main(argv=None) -> int:
                     if backend not in backend_refs:
                         backend_refs[backend] = z.sample(patch(base, backend), case)
                     m = patch(base, backend)
-                m = cp.context_parallel(m, gpus=real, simulate=sim)
+                m = cp.context_parallel(m, gpus=real, simulate=sim, min_tokens=0)
                 seen.clear()
                 t1 = time.perf_counter()
                 out = z.sample(m, case)

@@ -116,7 +116,7 @@ def main() -> int:
                         if kind == "sim":
                             m = cpn.context_parallel(model, simulate=n)
                         else:
-                            m = cpn.context_parallel(copies(z, cls, case, dtype, model, n), gpus=n)
+                            m = cpn.context_parallel(copies(z, cls, case, dtype, model, n), gpus=n, min_tokens=0)
                         t0 = time.perf_counter()
                         out = z.sample(m, case)
                         r.update(seconds=round(time.perf_counter() - t0, 2), rel_l1=rel_l1(out, ref),

@@ -220,7 +220,7 @@ def split_model(mod, model, n: int, extra: list | None):
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
     if extra is None:
         return cpn.context_parallel(model, simulate=n, cfg_split=False)
-    return cpn.context_parallel(MG.with_copies(model, extra), gpus=n, cfg_split=False)
+    return cpn.context_parallel(MG.with_copies(model, extra), gpus=n, cfg_split=False, min_tokens=0)
 
 
 def _timed(case_timeout: int, fn, *a):

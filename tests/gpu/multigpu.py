@@ -80,6 +80,9 @@ def with_copies(model, extra):
     return m
 
 
+MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
+
+
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
     mode = mode.split("@")[0]
@@ -89,7 +92,7 @@ def row_model(pack, cpn, job, extra, row):
     m = with_copies(m, extra)
     if mode == "cfg":
         return m
-    return cpn.context_parallel(m, gpus=0, cfg_split=(mode == "cp-cfg"))
+    return cpn.context_parallel(m, gpus=0, cfg_split=(mode == "cp-cfg"), min_tokens=MIN_TOKENS[0])
 
 
 def peaks():
@@ -277,8 +280,11 @@ def main(argv=None):
     ap.add_argument("--rows", default="1:unpatched,cp:unpatched")
     ap.add_argument("--diagnose", default="", help="comma-separated backends to diagnose (CFG > 1)")
     ap.add_argument("--profile", default="", help="comma-separated rows to profile one step of (in --json)")
+    ap.add_argument("--min-tokens", type=int, default=None,
+                    help="split forwards of at least this many tokens (default: the node's MIN_SPLIT_TOKENS; 0: all)")
     ap.add_argument("--json"), ap.add_argument("--md")
     a = ap.parse_args(argv)
+    MIN_TOKENS[0] = a.min_tokens
     pack, e2e, cpn = load()
     from comfyui_version import __version__ as comfy_version
 

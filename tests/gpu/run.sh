@@ -72,7 +72,8 @@
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
-#                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds)
+#                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds,
+#                  MG_MIN_TOKENS: split shorter sequences than the node does, e.g. 0 for Flux at 1024²)
 #   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
@@ -336,6 +337,7 @@ stage_multigpu() {
   local p=${MG_PRESET:-wan-1.3b} c=${MG_CFG:-1}
   timeout "${MG_LIMIT:-540}" $PY tests/gpu/multigpu.py --preset "$p" --cfg "$c" --steps "${MG_STEPS:-3}" \
     --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" --profile "${MG_PROFILE:-}" \
+    ${MG_MIN_TOKENS:+--min-tokens "$MG_MIN_TOKENS"} \
     --json "$OUT/multigpu-$p-cfg$c.json" --md "$OUT/multigpu-$p-cfg$c.md" 2>&1 | grep -v "it/s\]" | tail -n 60
 }
 MG14_ROWS=1:auto_exact,1:sage_fp8_sm90,cp@1:sage_fp8_sm90,cp:sage_fp8_sm90,cp@4:sage_fp8_sm90,cp:auto_exact
@@ -345,7 +347,7 @@ stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute c
     MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
 }
 stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (Wan 1.3B, CFG 5), Wan 14B 480p profiled
-  MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 \
+  MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 MG_MIN_TOKENS=0 \
     MG_ROWS=1:unpatched,cp:unpatched,1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
   MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=110 MG_ROWS=1:unpatched,1:sdpa,cfg:unpatched,cfg:sdpa stage_multigpu
   MG_PRESET=wan-14b MG_STEPS=2 MG_LIMIT=100 MG_ROWS=1:auto_exact,cp:auto_exact MG_PROFILE=1:auto_exact,cp:auto_exact \
