@@ -667,8 +667,9 @@ def context_parallel_description() -> str:
 
     return ("Splits each sampling step of one image or video over several GPUs of this machine (the tokens, with "
             "attention exchanged between the GPUs), with any Patch Attention backend before or after it. Supported: "
-            + "; ".join(name for name, _ in supported()) + ". Other models, and machines with one GPU, sample on one GPU "
-            "and the log says why. Needs ComfyUI 0.33 or later.")
+            + "; ".join(name for name, _ in supported()) + ". Other models, steps with fewer than 16,384 tokens to split "
+            "(images, short clips: faster on one GPU) and machines with one GPU sample on one GPU and the log says why. "
+            "Needs ComfyUI 0.33 or later.")
 
 
 CONTEXT_PARALLEL = Node(
