@@ -252,7 +252,7 @@ class ForwardWrapper(BoundWrapper):
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         with cp._lock:
             run.forwards += 1
-        why = self.why_not(control, kwargs)
+        why = self.why_not(control, topts, {d for d, _ in ranks})
         if why:
             cp.say(why, "%s: this forward runs on one GPU: %s", NODE, why)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
@@ -286,9 +286,14 @@ class ForwardWrapper(BoundWrapper):
         return out
 
     @staticmethod
-    def why_not(control, kwargs) -> str:
+    def why_not(control, topts: dict, devices: set) -> str:
+        """Why this forward cannot be split ("" where it can)."""
         if control is not None:
             return "a ControlNet's residuals are made for the whole sequence"
+        wrappers = topts.get("wrappers", {}).get("apply_model", {})
+        if len(devices) > 1 and wrappers.get(COMPILE_KEY):
+            # ComfyUI's TorchCompileModel compiles the first GPU's diffusion model; every GPU's copy would run that one
+            return "torch.compile (TorchCompileModel) compiled the first GPU's model, which the other GPUs cannot run"
         return ""
 
     @staticmethod
@@ -367,6 +372,8 @@ class OneGpuNotice(BoundWrapper):
         log.warning("%s: %s", NODE, self.override)
         return executor(*args, **kwargs)
 
+
+COMPILE_KEY = "torch.compile"  # the wrapper key of ComfyUI's TorchCompileModel (comfy_api.torch_helpers)
 
 # A forward splits only sequences of at least this many tokens (the split part) over real GPUs. Every GPU's thread runs
 # the whole model's Python under one interpreter lock, so a step's host work is done once per GPU: a short sequence

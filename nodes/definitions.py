@@ -376,6 +376,18 @@ def shape_bytes(shape, device) -> int:
     return held
 
 
+def _available_ram() -> int:
+    """Bytes of RAM available: psutil's figure (ComfyUI installs it), else the free pages the OS reports."""
+    try:
+        import psutil
+
+        return psutil.virtual_memory().available
+    except ImportError:
+        import os
+
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 def check_shapes_fit(table: dict, device) -> None:
     """A ValueError naming the shape, before anything is allocated, for a shape the device cannot hold (70 % of its
     free memory) or one over 2^31 elements in a tensor (beyond what the kernels index)."""
@@ -384,9 +396,7 @@ def check_shapes_fit(table: dict, device) -> None:
     if device.type == "cuda":
         free = torch.cuda.mem_get_info(device)[0]
     else:
-        import psutil
-
-        free = psutil.virtual_memory().available
+        free = _available_ram()
     for label, shape in table.items():
         b, h, n, d, nk = shape[:5]
         need = shape_bytes(shape, device)

@@ -316,6 +316,36 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
 
 
 @pytest.mark.comfyui
+def test_torch_compile_under_the_split(zoo):
+    """ComfyUI's TorchCompileModel wrapper on the split model: ranks sharing one device (simulated) run the compiled
+    model split, with the one-device latent; on several devices the compiled module is the first GPU's, so the node
+    keeps such forwards on one GPU and says why."""
+    import torch._dynamo
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    z, mod, mappings = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    m = _split(mod, base, 2)
+    set_torch_compile_wrapper(m, backend="inductor")
+    counts, real, counting = _exchanged_calls(mod)
+    mod.parallel.context.RankContext.attention = counting
+    torch._dynamo.reset()
+    try:
+        out = z.sample(m, case)
+    finally:
+        mod.parallel.context.RankContext.attention = real
+        torch._dynamo.reset()
+    assert sorted(set(counts)) == [0, 1] and rel_l1(out, ref) < 1e-5
+    fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").ForwardWrapper
+    topts = {"wrappers": m.wrappers}  # what a forward's transformer_options carry (ComfyUI merges them at sampling)
+    gpus = {torch.device("cuda", 0), torch.device("cuda", 1)}
+    assert "torch.compile" in fw.why_not(None, topts, gpus) and fw.why_not(None, topts, {torch.device("cpu")}) == ""
+    assert "ControlNet" in fw.why_not(object(), {}, gpus) and fw.why_not(None, {}, gpus) == ""
+
+
+@pytest.mark.comfyui
 def test_a_model_without_a_unit_samples_on_one_gpu_and_says_so_once(zoo):
     """An SD 1.5 UNet has no unit: the node leaves it on one GPU, and sampling says so once, naming the model."""
     from comfyui_support import sample, tiny_sd
