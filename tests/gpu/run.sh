@@ -86,6 +86,8 @@
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
 #                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
+#   cp-compose     Context Parallel over every GPU with a LoRA-like patch before and after the node, Patch Attention
+#                  after it, and torch.compile (kept on one GPU), each against one GPU (tests/gpu/cp_compose.py)
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
 #                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
 #   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
@@ -371,6 +373,11 @@ stage_zoo() {
     --budget "$budget" --part "$part" > "$OUT/zoo-gpu-$tag.txt" 2>&1
   echo "tests/gpu/zoo.py exit status $? (part $part); every case in zoo-gpu-$tag.txt"
   grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
+}
+
+stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile
+  timeout "${CP_COMPOSE_LIMIT:-300}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
+    --json "$OUT/cp-compose.json" 2>&1 | grep -E "^cp-compose|Traceback|Error" | tail -n 30
 }
 
 stage_cp-ltx() {
