@@ -4,6 +4,7 @@
 
 Cases, each against the same model on one GPU (the final latent's relative L1; 0: bit-identical):
 
+- ``plain``: the model split, nothing else.
 - ``lora-before`` / ``lora-after``: a LoRA-like weight patch (``ModelPatcher.add_patches`` with weight differences, as
   the LoRA loaders leave it) on the model before the Context Parallel node, or on its output (a LoRA loader after it):
   every GPU's copy must sample with the patched weights.
@@ -85,6 +86,7 @@ def main(argv=None) -> int:
         return m
 
     cases = {
+        "plain": (lambda: base, lambda: split(base)),
         "lora-before": (lambda: lora(base), lambda: split(lora(base))),
         "lora-after": (lambda: lora(base), lambda: lora(split(base))),
         "patch-after": (lambda: patch(base, "sdpa_cudnn"), lambda: patch(split(base), "sdpa_cudnn")),
@@ -92,7 +94,8 @@ def main(argv=None) -> int:
     }
     results, failed = [], 0
     for name in [c for c in a.cases.split(",") if c]:
-        r = {"case": name}
+        r = {"case": name.split("#")[0]}
+        name = r["case"]
         t0 = time.perf_counter()
         try:
             one, many = cases[name]
