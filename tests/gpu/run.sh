@@ -377,7 +377,8 @@ stage_zoo() {
 
 stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile
   timeout "${CP_COMPOSE_LIMIT:-300}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
-    --json "$OUT/cp-compose.json" 2>&1 | grep -E "^cp-compose|Traceback|Error" | tail -n 30
+    --cases "${CP_COMPOSE_CASES:-lora-before,lora-after,patch-after,compile}" --json "$OUT/cp-compose.json" 2>&1 \
+    | grep -E "^cp-compose|Traceback|Error" | tail -n 30
 }
 
 stage_cp-ltx() {
