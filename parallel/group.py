@@ -42,7 +42,7 @@ class Group:
     def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0):
         self.devices = [torch.device(d) for d in devices]
         self.min_tokens = min_tokens  # a forward with fewer tokens to split runs on the first rank alone
-        self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.pipeline_parts)
+        self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.PIPELINE_PARTS)
         self.size = len(self.devices)
         self._barrier = threading.Barrier(self.size, timeout=timeout)
         self._slots = ([None] * self.size, [None] * self.size)
@@ -82,9 +82,7 @@ class Group:
         device = self.devices[rank]
         if device.type != "cuda":
             return list(self._post(rank, (tuple(tensors), None, None)))
-        send = self._send[rank]
-        if send is None:
-            send = self._send[rank] = torch.cuda.Stream(device)
+        send = self._stream(self._send, rank)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
         for t in tensors:
@@ -103,12 +101,13 @@ class Group:
 
     def receiving(self, rank: int):
         """This rank's receive stream (None off CUDA): copies into buffers its later kernels wait for, one by one."""
-        device = self.devices[rank]
-        if device.type != "cuda":
-            return None
-        if self._recv[rank] is None:
-            self._recv[rank] = torch.cuda.Stream(device)
-        return self._recv[rank]
+        return self._stream(self._recv, rank) if self.devices[rank].type == "cuda" else None
+
+    def _stream(self, streams: list, rank: int):
+        """``streams[rank]``, made on first use (from PyTorch's pool of streams on the rank's device)."""
+        if streams[rank] is None:
+            streams[rank] = torch.cuda.Stream(self.devices[rank])
+        return streams[rank]
 
     def exchange(self, rank: int, tensors: tuple, fill) -> None:
         """Post ``tensors`` (this rank's, on its device) and, once all ranks have, call ``fill(peer, peer_tensors,

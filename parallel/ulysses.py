@@ -17,7 +17,7 @@ attention is computed on one device over the whole sequence, as on one GPU.
   mask's heads, where it has a head dimension).  A mask that differs by query cannot be split this way.
 - **A mask the model made for the whole sequence** (Flux's Redux attention bias: ``[..., L or 1, L]``) applies as it
   is: each rank's kernel sees the whole sequence in its one-GPU order; a mask per head is cut to the rank's heads.
-- **The exchange can overlap the kernel**: this rank's heads go in parts (:func:`pipeline_parts`; one by default: over
+- **The exchange can overlap the kernel**: this rank's heads go in parts (:data:`PIPELINE_PARTS`; one by default: over
   NVLink it did not pay); the parts arrive on a receive stream one after the other while the kernel runs on the part
   before, and each part's output goes back while the kernel runs on the next (calls with a mask: one part).
 - **Masks over ranges of query rows** (:class:`RowMasks`: LTX-Video's attenuated guide frames) is applied on the far
@@ -130,7 +130,7 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
         whole_mask, mask = rank_mask(mask, full, h, g * a, g * c), None
     dev = q.device
     # the heads in parts, each exchanged while the kernel runs on the one before (no mask: one part with a mask)
-    parts = split(c, pipeline_parts(group, full, h)) if mask is None and whole_mask is None and masks is None \
+    parts = split(c, group.pipeline or PIPELINE_PARTS) if mask is None and whole_mask is None and masks is None \
         else [(0, c)]
     recv = group.receiving(rank)
     bufs = [[torch.empty(b, full, g * n, d, dtype=q.dtype, device=dev), torch.empty(b, full, n, d, dtype=k.dtype, device=dev),
@@ -214,22 +214,11 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     return out
 
 
-def pipeline_parts(group: Group, full: int, heads: int) -> int:
-    """In how many parts the heads of an exchanged call are sent, each part's exchange overlapping the kernel of the
-    one before: :data:`PIPELINE_PARTS` for sequences of :data:`PIPELINE_MIN_TOKENS` or more on GPUs (where a kernel
-    over a part of the heads still fills the GPU), else one."""
-    if group.devices[0].type != "cuda" and group.pipeline is None:
-        return 1
-    if group.pipeline is not None:
-        return group.pipeline
-    return PIPELINE_PARTS if full >= PIPELINE_MIN_TOKENS else 1
-
-
-# Measured on 2x H100 (NVLink), Wan 2.1 14B, sage_fp8_sm90: one part x1.897 (720p) / x1.829 (480p), two x1.883 / x1.827,
-# four x1.867 / x1.804: over NVLink the exchange is too small a share (2-3 %) for the overlap to pay for smaller kernels
-# and a rendezvous per part. Kept for links where it is not (PCIe): Group(pipeline=N).
+# In how many parts an exchanged call sends its heads (Group(pipeline=N) overrides), each part's exchange overlapping
+# the kernel on the part before. Measured on 2x H100 (NVLink), Wan 2.1 14B, sage_fp8_sm90: one part x1.897 (720p) /
+# x1.829 (480p), two x1.883 / x1.827, four x1.867 / x1.804: over NVLink the exchange is too small a share (2-3 %) for the
+# overlap to pay for smaller kernels and a rendezvous per part. Kept for links where it is not (PCIe).
 PIPELINE_PARTS = 1
-PIPELINE_MIN_TOKENS = 16384
 
 
 def mask_problem(mask, local_keys: int, full: int, heads: int) -> str | None:

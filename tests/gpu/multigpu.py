@@ -130,11 +130,11 @@ def profile_step(e2e, m, job) -> str:
 def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
     out, lat = [], {}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
-    rule = (uly.PIPELINE_PARTS, uly.PIPELINE_MIN_TOKENS)
+    rule = uly.PIPELINE_PARTS
     for row in rows:
         r = {"row": row, "cfg": job.cfg, "steps": job.steps}
         parts = row.split(":", 1)[0].partition("@")[2]
-        uly.PIPELINE_PARTS, uly.PIPELINE_MIN_TOKENS = (int(parts), 0) if parts else rule
+        uly.PIPELINE_PARTS = int(parts) if parts else rule
         try:
             m = row_model(pack, cpn, job, extra, row)
             t0 = time.perf_counter()
@@ -155,7 +155,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS, uly.PIPELINE_MIN_TOKENS = rule
+        uly.PIPELINE_PARTS = rule
         torch.cuda.empty_cache()
         out.append(r)
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
