@@ -288,20 +288,23 @@ stage_sparge() {
 stage_quality() {
   timeout 520 $PY tests/gpu/quality.py --out "$OUT" 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
 }
+standin_rows() {  # out-folder limit-seconds budget phases quality.py-arguments...: the stand-in trained first unless
+  # STANDIN_WEIGHTS exists (a quality call on this machine left it)
+  local out=$1 limit=$2 budget=$3 phases=$4 skip=
+  shift 4
+  [ -f "${STANDIN_WEIGHTS:-/tmp/standin.safetensors}" ] && { phases=${phases#train,}; skip=--skip-train; }
+  timeout "$limit" $PY tests/gpu/quality.py --out "$OUT/$out" --budget "$budget" $skip --phases "$phases" "$@" 2>&1 \
+    | grep -v "call/s\]\|it/s\]\|row/s\]"
+}
 stage_quality-auto() {
-  local w=${STANDIN_WEIGHTS:-/tmp/standin.safetensors} phases=train,load,rows-480p,rows-720p skip=
-  [ -f "$w" ] && { phases=load,rows-480p,rows-720p; skip=--skip-train; }
-  timeout 540 $PY tests/gpu/quality.py --out "$OUT/auto" --budget "${QUALITY_BUDGET:-480}" $skip --phases $phases \
-    --rows unpatched,sdpa_cudnn,sage_fp8_sm90,kitchen_sol 2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
+  standin_rows auto 540 "${QUALITY_BUDGET:-480}" train,load,rows-480p,rows-720p \
+    --rows unpatched,sdpa_cudnn,sage_fp8_sm90,kitchen_sol
 }
 QUALITY720_ROWS=unpatched,sdpa_cudnn,sage_fp8_sm90,kitchen_sol,sparge,kitchen_sol[tau=0.5],sparge[cdfthreshd=0.9]
 stage_quality-720p() {  # auto and auto_fast at 720p beside the exact, 8-bit and sparse rows; two rows profiled
-  local w=${STANDIN_WEIGHTS:-/tmp/standin.safetensors} phases=train,load,rows-720p skip=
-  [ -f "$w" ] && { phases=load,rows-720p; skip=--skip-train; }
   local budget=${QUALITY_BUDGET:-500}
-  timeout $(( budget + 45 )) $PY tests/gpu/quality.py --out "$OUT/q720" --budget "$budget" $skip --phases $phases \
-    --rows "${QUALITY_ROWS:-$QUALITY720_ROWS}" --profile-rows "${QUALITY_PROFILE_ROWS:-unpatched,sage_fp8_sm90}" \
-    2>&1 | grep -v "call/s\]\|it/s\]\|row/s\]"
+  standin_rows q720 $(( budget + 45 )) "$budget" train,load,rows-720p --rows "${QUALITY_ROWS:-$QUALITY720_ROWS}" \
+    --profile-rows "${QUALITY_PROFILE_ROWS:-unpatched,sage_fp8_sm90}"
 }
 stage_quality-more() {
   timeout 560 $PY tests/gpu/quality.py --out "$OUT/more" --skip-train --budget "${QUALITY_BUDGET:-520}" --sweep 12 \
