@@ -212,6 +212,18 @@ def split_under_patch(mod, base, n, order, backend="sdpa_math"):
     return m, hook.inner
 
 
+def calls_under_patch(zoo, base, case, n, order):
+    """``base`` split over ``n`` ranks under Patch Attention (``sdpa_math``, ``order`` as :func:`split_under_patch`),
+    sampled: the latent within fp32 rounding of the unsplit model's; returns the split model, Patch Attention's override
+    and the kernel calls each lane counted (``{backend: calls}`` per lane)."""
+    z, mod, _ = zoo
+    ref = z.sample(base, case)
+    m, ov = split_under_patch(mod, base, n, order)
+    out = z.sample(m, case)
+    assert rel_l1(out, ref) < 1e-5
+    return m, ov, [dict(ln.config.stats.calls) for ln in ov.lanes()]
+
+
 def _exchanged_calls(mod):
     """Count the attention calls exchanged over ranks while sampling (patched onto RankContext for the test)."""
     counts = []
@@ -272,18 +284,11 @@ def test_a_split_forward_gives_the_one_device_latent(zoo, name, n):
 def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
     z, mod, mappings = zoo
     cls, case = _case(z, "WAN21_T2V")
-    base = z.build(cls, case)
-    ref = z.sample(base, case)
-    m, ov = split_under_patch(mod, base, 2, order)
+    m, ov, calls = calls_under_patch(zoo, z.build(cls, case), case, 2, order)
     assert ov.previous is None
-    out = z.sample(m, case)
-    assert rel_l1(out, ref) < 1e-5
     # every rank ran its share on the chosen kernel, in its own lane: self-attention with the whole sequence and its
     # share of the heads (one of the model's two), cross-attention with its share of the tokens
-    lanes = ov.lanes()
-    assert len(lanes) == 2
-    for ln in lanes:
-        assert dict(ln.config.stats.calls) == {"sdpa_math": 2 * case.steps}
+    assert calls == [{"sdpa_math": 2 * case.steps}] * 2
     # "disabled" takes Patch Attention out from under the split and keeps the split
     off = mod.nodes.patch.patch_model(m, "disabled")
     hook2 = off.model_options["transformer_options"]["optimized_attention_override"]
