@@ -45,7 +45,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 
 MAIN_ROWS = ["unpatched", "flash_attn4", "sdpa_cudnn", "sage_fp8_sm90", "sparge", "sparge_topk", "kitchen_sol",
              "core:sol-attn"]
-AUTO_ROWS = ["auto", "auto_fast"]  # measured last (after the tuned profiles): auto, and the faster, lossier choice
 # more settings for the calibration (end to end and per call)
 SWEEP_ROWS = ["kitchen_sol[tau=1.0]", "kitchen_sol[tau=2.0]", "sparge[cdfthreshd=0.95]", "sparge_topk[topk=0.3]",
               "kitchen_int8", "kitchen_sol[tau=1.6]", "kitchen_sol[tau=2.5]", "sparge[cdfthreshd=0.9]", "sage_fp16_cuda",
@@ -350,6 +349,7 @@ def main(argv=None):
     auto_mod = importlib.import_module(pack.__name__ + ".attention.auto")
     sd = be.standin_module()
     REG = pack.attention.REGISTRY
+    AUTO_ROWS = list(e2e.AUTO_ROWS)  # measured last (after the tuned profiles): auto, and the faster, lossier choice
     M = mode(a.tiny, sd)
     if a.tiny:
         register_dryrun_backend(pack)
