@@ -532,13 +532,19 @@ def measure(job: Job, rows: list[str], *, compile: bool = False, warmup_steps: i
     return out_rows
 
 
-def is_exact_row(row: str) -> bool:
-    """A row whose attention is exact (half-precision rounding only): unpatched, an exact backend, its peer."""
+def _row_kernel(row: str) -> str:
+    """The kernel a row runs: its name without " +compile", the NaN net's suffix or the peer prefix."""
     base = row.replace(" +compile", "")
     if base.endswith(NO_NAN_NET):
         base = base[: -len(NO_NAN_NET)]
     if base.startswith(PEER):
         base = base[len(PEER):]
+    return base
+
+
+def is_exact_row(row: str) -> bool:
+    """A row whose attention is exact (half-precision rounding only): unpatched, an exact backend, its peer."""
+    base = _row_kernel(row)
     if base == UNPATCHED:
         return True
     return base in REGISTRY and not REGISTRY.get(base).quantized
@@ -756,9 +762,7 @@ AUTO_ROWS = ("auto", "auto_fast")
 
 def _sparse_row(row: str) -> bool:
     """A row whose kernel skips attention mass (SpargeAttn, Sol-Attn, top-k; core's Model Sparse Attention)."""
-    base = parse_row(row)[0]
-    if base.startswith(PEER):
-        base = base[len(PEER):]
+    base = parse_row(_row_kernel(row))[0]
     return base == CORE_SOL or (base in REGISTRY and REGISTRY.get(base).sparse)
 
 
