@@ -35,6 +35,14 @@ def whole(q, k, v, mask=None):
                                           attn_mask=mask).transpose(1, 2)
 
 
+def rand_qkv(g, b, L, heads, kv_heads, d, dv=None):
+    """fp64 ``q`` ``[b, L, heads, d]``, ``k`` ``[b, L, kv_heads, d]``, ``v`` ``[b, L, kv_heads, dv or d]``, drawn from
+    ``g`` in that order."""
+    return (torch.randn(b, L, heads, d, generator=g, dtype=torch.float64),
+            torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64),
+            torch.randn(b, L, kv_heads, dv or d, generator=g, dtype=torch.float64))
+
+
 def rank_rows(t, lay, r, dim=1):
     """Rank ``r``'s rows of a tensor over the whole sequence (along ``dim``): the prefix, its shard, the suffix."""
     full = t.shape[dim]
@@ -71,9 +79,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
     g = torch.Generator().manual_seed(n * 100 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
-    q = torch.randn(b, L, heads, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, L, kv_heads, d + 2, generator=g, dtype=torch.float64)
+    q, k, v = rand_qkv(g, b, L, heads, kv_heads, d, d + 2)
     ref = whole(q, k, v)
     lay = U.shard_layout(tokens, n, prefix, suffix)
     group = G.Group(["cpu"] * n, pipeline=pipeline)

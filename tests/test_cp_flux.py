@@ -16,7 +16,7 @@ import pytest
 import test_context_parallel
 import torch
 from pack import load
-from test_context_parallel import _case, calls_under_patch, check_split, rank_rows, run_ranks
+from test_context_parallel import _case, calls_under_patch, check_split, rand_qkv, rank_rows, run_ranks
 from test_context_parallel import whole as masked_whole
 
 zoo = test_context_parallel.zoo  # the fixture (an import of it would be an unused name that the tests redefine)
@@ -56,9 +56,7 @@ def test_a_mask_over_the_whole_sequence_gives_whole_attention(kind, n, heads, kv
     g = torch.Generator().manual_seed(n * 10 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
-    q = torch.randn(b, L, heads, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
+    q, k, v = rand_qkv(g, b, L, heads, kv_heads, d)
     mask = _mask(kind, b, heads, L, g)
     ref = masked_whole(q, k, v, mask)
     lay = U.shard_layout(tokens, n, prefix, suffix)

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import torch
 from pack import load
-from test_context_parallel import _case, check_split, rel_l1, run_ranks, split_under_patch
+from test_context_parallel import _case, check_split, rand_qkv, rel_l1, run_ranks, split_under_patch
 from test_context_parallel import rank_rows as _local
 from test_context_parallel import whole as masked_whole
 
@@ -40,9 +40,7 @@ def test_ulysses_carries_a_key_mask(n, heads, kv_heads, prefix, suffix, tokens, 
     g = torch.Generator().manual_seed(n * 100 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
-    q = torch.randn(b, L, heads, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
+    q, k, v = rand_qkv(g, b, L, heads, kv_heads, d)
     keep = torch.rand(b, heads if per_head else 1, 1, L, generator=g) > 0.3
     keep[..., 0] = True  # every row keeps a key
     mask = keep if boolean else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -torch.finfo(torch.float64).max)

@@ -15,7 +15,7 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import C, G, U, _case, calls_under_patch, check_split, rank_rows, rel_l1, run_ranks
+from test_context_parallel import C, G, U, _case, calls_under_patch, check_split, rand_qkv, rank_rows, rel_l1, run_ranks
 from test_context_parallel import whole as whole_masked
 
 F = torch.nn.functional
@@ -32,9 +32,7 @@ def test_a_key_mask_goes_with_the_keys(n, heads, kv_heads, prefix, suffix, token
     g = torch.Generator().manual_seed(n * 10 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
-    q = torch.randn(b, L, heads, d, generator=g, dtype=torch.float64)
-    k = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
-    v = torch.randn(b, L, kv_heads, d, generator=g, dtype=torch.float64)
+    q, k, v = rand_qkv(g, b, L, heads, kv_heads, d)
     dims = {"b1l": (b, 1, L), "1l": (1, L), "bh1l": (b, heads, 1, L), "b11l": (b, 1, 1, L)}[shape]
     # padding keys masked out (a large negative number, as Qwen-Image's text mask), and a small bias on every key, so
     # a column out of place shows
