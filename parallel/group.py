@@ -39,8 +39,11 @@ class Group:
     """``len(devices)`` ranks of one forward (a device may repeat: ranks simulated on the CPU in tests).  ``pipeline``:
     in how many parts an exchanged attention call sends its heads (None: by the sequence's length)."""
 
-    def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0):
+    def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0,
+                 pitched: bool | None = None):
         self.devices = [torch.device(d) for d in devices]
+        # strided shares cross between GPUs as 2-D copies (False: made contiguous first; None: PITCHED)
+        self.pitched = PITCHED if pitched is None else pitched
         self.min_tokens = min_tokens  # a forward with fewer tokens to split runs on the first rank alone
         self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.PIPELINE_PARTS)
         self.size = len(self.devices)
@@ -97,7 +100,7 @@ class Group:
         if peer == rank or send is None:
             return _copy
         stream = stream or torch.cuda.current_stream(self.devices[rank])
-        return _puller(send, ready, stream, self.devices[peer] == self.devices[rank])
+        return _puller(send, ready, stream, self.devices[peer] == self.devices[rank], self.pitched)
 
     def receiving(self, rank: int):
         """This rank's receive stream (None off CUDA): copies into buffers its later kernels wait for, one by one."""
@@ -122,15 +125,17 @@ def _copy(dst, src):
     dst.copy_(src)
 
 
-def _puller(send, ready, stream, same_device: bool):
+def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
     """``copy(dst, src)`` of a peer's tensor on the peer's send stream, after the peer's ``ready`` event, with
     ``stream`` (this rank's) waiting for it.
 
-    Between devices only whole blocks of memory travel: a strided source (a share of the heads) is first made
-    contiguous on its own device, and a strided destination is filled from a contiguous copy on this one; a strided
-    copy across devices would read or write the other GPU's memory in pieces of one head's row.  Across devices PyTorch
-    orders the copy between the two current streams (``send`` and ``stream`` here); on one device (ranks simulated on
-    one GPU) that is done here."""
+    Between devices only whole rows of memory travel: a share of the heads (each token's row of those heads is one
+    block, a fixed pitch apart) goes as a 2-D copy of the copy engine (``cudaMemcpy2DAsync``: no kernel, no extra
+    buffer on either side); where that is not available, a strided source is first made contiguous on its own device
+    and a strided destination filled from a contiguous copy on this one.  A strided copy by a kernel across devices
+    would read or write the other GPU's memory in pieces of one head's row.  Across devices PyTorch orders the copy
+    between the two current streams (``send`` and ``stream`` here), and the 2-D copy is ordered the same way; on one
+    device (ranks simulated on one GPU) that is done here."""
     waited = []
 
     def copy(dst, src):
@@ -143,6 +148,13 @@ def _puller(send, ready, stream, same_device: bool):
                 dst.copy_(src)
                 stream.wait_stream(send)
                 return
+            if pitched and not (src.is_contiguous() and dst.is_contiguous()):
+                plan = pitched_plan(dst, src)
+                if plan is not None and _memcpy_2d() is not None:
+                    send.wait_stream(stream)  # as PyTorch orders a copy between devices
+                    _copy_2d(dst, src, plan, send)
+                    stream.wait_stream(send)
+                    return
             if not src.is_contiguous():
                 src = src.contiguous()
             if dst.is_contiguous():
@@ -151,6 +163,108 @@ def _puller(send, ready, stream, same_device: bool):
             tmp = src.to(dst.device, non_blocking=True)
             dst.copy_(tmp)  # on ``stream``: this device's current stream here
     return copy
+
+
+# Strided shares of a tensor cross between GPUs as 2-D copies (Group(pitched=False) overrides: made contiguous first).
+PITCHED = True
+
+# At most this many 2-D copies for one tensor (a batch of several, each its own block of rows); more: the other path.
+MAX_BLOCKS = 8
+
+
+def pitched_plan(dst, src):
+    """``dst.copy_(src)`` as 2-D copies: ``[(dst_offset, dst_pitch, src_offset, src_pitch, width, height), ...]`` in
+    bytes (offsets from each tensor's ``data_ptr()``): ``height`` rows of ``width`` contiguous bytes, each tensor's rows
+    its own pitch apart.  None where the copy is not of that form (other dtypes or shapes, a last dimension with a
+    stride, overlapping or broadcast rows, more than :data:`MAX_BLOCKS` blocks)."""
+    if dst.dtype != src.dtype or dst.shape != src.shape or dst.numel() == 0:
+        return None
+    es = dst.element_size()
+    dims = [(n, ds, ss) for n, ds, ss in zip(dst.shape, dst.stride(), src.stride()) if n != 1]
+    width = 1  # elements: the innermost run contiguous in both
+    while dims and dims[-1][1] == width and dims[-1][2] == width:
+        width *= dims.pop()[0]
+    if width == 1 and dims:
+        return None
+    if not dims:
+        return [(0, width * es, 0, width * es, width * es, 1)]
+    out = []
+
+    def rows_of(dims):  # the dimensions as one run of rows: (rows, dst pitch, src pitch), or None
+        rows, dp, sp = dims[-1]
+        for n, ds, ss in reversed(dims[:-1]):
+            if ds != dp * rows or ss != sp * rows:
+                return None
+            rows *= n
+        return rows, dp, sp
+
+    def walk(dims, doff, soff):
+        run = rows_of(dims)
+        if run is None:
+            n, ds, ss = dims[0]
+            for i in range(n):
+                if not walk(dims[1:], doff + i * ds, soff + i * ss):
+                    return False
+            return True
+        rows, dp, sp = run
+        if min(dp, sp) < width or len(out) >= MAX_BLOCKS:
+            return False
+        out.append((doff * es, dp * es, soff * es, sp * es, width * es, rows))
+        return True
+
+    return out if walk(dims, 0, 0) else None
+
+
+_MEMCPY_2D = []
+
+
+def _memcpy_2d():
+    """``cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, kind, stream) -> error``: from NVIDIA's
+    cuda-bindings where installed (PyTorch 2.10+ brings it), else from the CUDA runtime PyTorch loaded; None: neither."""
+    if not _MEMCPY_2D:
+        fn = None
+        try:
+            from cuda.bindings import runtime
+
+            def fn(dst, dp, src, sp, w, h, stream, _f=runtime.cudaMemcpy2DAsync,
+                   _kind=runtime.cudaMemcpyKind.cudaMemcpyDefault):
+                return int(_f(dst, dp, src, sp, w, h, _kind, stream)[0])
+        except Exception:  # not installed, or a version without it
+            try:
+                import ctypes
+
+                lib = ctypes.CDLL(f"libcudart.so.{torch.version.cuda.split('.')[0]}")
+                f = lib.cudaMemcpy2DAsync
+                f.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+                              ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+
+                def fn(dst, dp, src, sp, w, h, stream, _f=f):
+                    return int(_f(dst, dp, src, sp, w, h, 4, stream))  # 4: cudaMemcpyDefault
+            except Exception:
+                fn = None
+        _MEMCPY_2D.append(fn)
+    return _MEMCPY_2D[0]
+
+
+_PEERS = set()  # (source device, destination device) pairs PyTorch has copied between
+
+
+def _copy_2d(dst, src, plan, stream) -> None:
+    """The copies of :func:`pitched_plan` on ``stream`` (CUDA, with unified addressing: either device's memory).  The
+    first time between two devices, one element goes through PyTorch's own copy first: PyTorch then enables the
+    source device's access to the destination's memory (peer access), which the 2-D copy uses."""
+    fn = _memcpy_2d()
+    pair = (src.device, dst.device)
+    if pair not in _PEERS:
+        torch.empty(1, dtype=src.dtype, device=dst.device).copy_(src.new_zeros(1))
+        _PEERS.add(pair)
+    d, s, h = dst.data_ptr(), src.data_ptr(), stream.cuda_stream
+    with torch.cuda.device(stream.device):
+        for doff, dp, soff, sp, w, rows in plan:
+            err = fn(d + doff, dp, s + soff, sp, w, rows, h)
+            if err:
+                raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err}) copying {tuple(src.shape)} "
+                                   f"{src.device} -> {dst.device}")
 
 
 def split(total: int, parts: int) -> list[tuple[int, int]]:

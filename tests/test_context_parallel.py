@@ -70,6 +70,60 @@ def run_ranks(n, fn):
     return out, errs
 
 
+def run_plan(dst, src, plan):
+    """What ``cudaMemcpy2DAsync`` does with a :func:`pitched_plan` entry, row by row on the CPU."""
+    import ctypes
+
+    for doff, dp, soff, sp, w, rows in plan:
+        for r in range(rows):
+            ctypes.memmove(dst.data_ptr() + doff + r * dp, src.data_ptr() + soff + r * sp, w)
+
+
+@pytest.mark.parametrize("b", [1, 2])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_a_share_of_the_heads_crosses_as_2d_copies(b, dtype):
+    """The exchange's strided copies (a rank's heads out of ``[B, L, H, D]``, a peer's output into the heads of
+    ``[B, L, H, Dv]``) as copy-engine 2-D copies: one block of rows per batch element, each token's row of the heads
+    one piece; carried out row by row they give what ``copy_`` gives."""
+    g = torch.Generator().manual_seed(b)
+    big = torch.randn(b, 50, 12, 16, generator=g).to(dtype)
+    src = big[:, 10:35, 4:9]  # a rank's shard of tokens, 5 of 12 heads
+    dst = torch.zeros(b, 25, 5, 16, dtype=dtype)
+    plan = G.pitched_plan(dst, src)
+    es = big.element_size()
+    assert plan is not None and len(plan) == b
+    assert plan[0] == (0, 5 * 16 * es, 0, 12 * 16 * es, 5 * 16 * es, 25)  # rows: tokens; source pitch: all 12 heads
+    run_plan(dst, src, plan)
+    assert torch.equal(dst, src)
+    # and back: a contiguous output into those heads of the rank's tokens
+    out = torch.zeros_like(big)
+    back = torch.randn(b, 25, 5, 16, generator=g).to(dtype)
+    plan = G.pitched_plan(out[:, 10:35, 4:9], back)
+    assert plan is not None and len(plan) == b
+    run_plan(out[:, 10:35, 4:9], back, plan)
+    want = torch.zeros_like(big)
+    want[:, 10:35, 4:9] = back
+    assert torch.equal(out, want)
+
+
+def test_whole_rows_are_one_block_and_other_copies_are_refused():
+    """Every batch element's whole sequence: one block; a strided last dimension, a broadcast source, other dtypes or
+    more blocks than MAX_BLOCKS: None (the copy takes the other path)."""
+    t = torch.randn(3, 20, 8, 4)
+    dst = torch.empty(3, 20, 2, 4)
+    plan = G.pitched_plan(dst, t[:, :, 2:4])
+    assert plan is not None and len(plan) == 1 and plan[0][5] == 60  # 3 x 20 rows, one pitch
+    run_plan(dst, t[:, :, 2:4], plan)
+    assert torch.equal(dst, t[:, :, 2:4])
+    assert G.pitched_plan(torch.empty(4, 20), t[0, :, 0].transpose(0, 1)) is None  # last dimension strided
+    assert G.pitched_plan(torch.empty(20, 4), torch.randn(1, 4).expand(20, 4)) is None  # rows overlap
+    assert G.pitched_plan(torch.empty(3, 20, 2, 4, dtype=torch.float64), t[:, :, 2:4]) is None
+    many = torch.randn(G.MAX_BLOCKS + 1, 10, 4, 4)
+    assert G.pitched_plan(torch.empty(G.MAX_BLOCKS + 1, 5, 2, 4), many[:, 2:7, :2]) is None
+    flat = torch.randn(64)
+    assert G.pitched_plan(torch.empty(64), flat) == [(0, 256, 0, 256, 256, 1)]
+
+
 @pytest.mark.parametrize("pipeline", [None, 2, 3])
 @pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens", [
     (2, 4, 4, 0, 0, 37), (3, 40, 40, 5, 0, 50), (4, 3, 3, 0, 7, 21), (4, 8, 2, 3, 2, 33), (3, 2, 2, 0, 0, 10),

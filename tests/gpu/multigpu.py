@@ -5,7 +5,8 @@
 
 A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``cp`` (the Context Parallel node over every GPU), ``cfg`` (ComfyUI's
 MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of GPUs per cond), ``cp@N`` (Context Parallel with every exchanged
-call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``cp``: the pack's rule); backend ``unpatched``
+call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``cp``: the pack's rule), ``cp-flat`` (strided
+shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before); backend ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
 first (the same weights; ComfyUI's own deep clones need a loader's file, these weights never were one).
@@ -85,7 +86,7 @@ MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
 
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
-    mode = mode.split("@")[0]
+    mode = mode.split("@")[0].removesuffix("-flat")
     m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend)
     if mode == "1":
         return m
@@ -130,11 +131,13 @@ def profile_step(e2e, m, job) -> str:
 def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
     out, lat = [], {}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
-    rule = uly.PIPELINE_PARTS
+    grp = importlib.import_module(pack.__name__ + ".parallel.group")
+    rule, pitched = uly.PIPELINE_PARTS, grp.PITCHED
     for row in rows:
         r = {"row": row, "cfg": job.cfg, "steps": job.steps}
         parts = row.split(":", 1)[0].partition("@")[2]
         uly.PIPELINE_PARTS = int(parts) if parts else rule
+        grp.PITCHED = not row.split(":", 1)[0].split("@")[0].endswith("-flat")
         try:
             m = row_model(pack, cpn, job, extra, row)
             t0 = time.perf_counter()
@@ -155,7 +158,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS = rule
+        uly.PIPELINE_PARTS, grp.PITCHED = rule, pitched
         torch.cuda.empty_cache()
         out.append(r)
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))

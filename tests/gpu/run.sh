@@ -86,6 +86,9 @@
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
 #                  ZOO_ONLY=a,b and ZOO_BACKENDS=a,b narrow it
+#   cp-exchange    the Ulysses exchange alone, one Wan 14B 480p self-attention call over every GPU: strided shares as 2-D
+#                  copies against made contiguous first, with and without the kernel, bit-identical to one GPU
+#                  (tests/gpu/cp_exchange.py; CP_TOKENS, default 32760)
 #   cp-compose     Context Parallel over every GPU with a LoRA-like patch before and after the node, Patch Attention
 #                  after it, and torch.compile (kept on one GPU), each against one GPU (tests/gpu/cp_compose.py)
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
@@ -376,6 +379,10 @@ stage_zoo() {
     --budget "$budget" --part "$part" > "$OUT/zoo-gpu-$tag.txt" 2>&1
   echo "tests/gpu/zoo.py exit status $? (part $part); every case in zoo-gpu-$tag.txt"
   grep -E "FAIL|CRASH|^zoo:|Traceback|Error" "$OUT/zoo-gpu-$tag.txt" | tail -n 80
+}
+
+stage_cp-exchange() {
+  timeout 120 $PY tests/gpu/cp_exchange.py --tokens "${CP_TOKENS:-32760}" --json "$OUT/cp-exchange.json" 2>&1 | tail -n 12
 }
 
 stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile

@@ -1,0 +1,129 @@
+"""The Ulysses exchange alone on every GPU of the machine: one self-attention call of Wan 2.1 14B (480p/81f by default)
+split over the GPUs, a thread per GPU as the Context Parallel node runs them.
+
+    python tests/gpu/cp_exchange.py [--tokens 32760] [--heads 40] [--rounds 20] [--json cp-exchange.json]
+
+Rows: the strided shares crossing as 2-D copies (``pitched``, the default) and made contiguous first (``flat``), each
+with the kernel (SDPA, PyTorch's choice) and with no kernel (``exchange``: the kernel's output is its ``v``: the
+exchange and its layout copies alone).  Per row: milliseconds per call on the first GPU (median of ``rounds`` calls,
+CUDA events, every GPU calling at once), and whether every GPU's output is bit-identical to the same attention on one
+GPU over the whole sequence (SDPA computes each head alone: the split must not change a bit).  Exit status 1 when an
+output differs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import threading
+
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.dirname(HERE))
+
+
+def call(G, U, group, lay, shares, local, rounds):
+    """``rounds`` (+2 warm-up) exchanged calls on every GPU at once, a thread each: the last outputs by rank, the first
+    GPU's milliseconds per call, the first error (None)."""
+    n = group.size
+    outs, errs, times = [None] * n, [None] * n, []
+
+    def rank(r):
+        try:
+            with G.on_device(group.devices[r]):
+                for i in range(rounds + 2):
+                    if r == 0:
+                        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                        t0.record()
+                    o = U.ulysses(group, r, lay, *shares[r], local)
+                    if r == 0:
+                        t1.record()
+                        t1.synchronize()
+                        if i >= 2:
+                            times.append(t0.elapsed_time(t1))
+                torch.cuda.synchronize(group.devices[r])
+                outs[r] = o
+        except BaseException as e:  # noqa: BLE001 - returned
+            errs[r] = e
+            group.abort(e)
+
+    threads = [threading.Thread(target=rank, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return outs, times, next((e for e in errs if e is not None), None)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=32760)
+    ap.add_argument("--heads", type=int, default=40)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=20)
+    ap.add_argument("--json")
+    a = ap.parse_args(argv)
+    from pack import load
+
+    P = load()
+    import importlib
+
+    G = importlib.import_module(P.__name__ + ".parallel.group")
+    U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+    n = torch.cuda.device_count()
+    devs = [torch.device("cuda", i) for i in range(n)]
+    g = torch.Generator(device="cuda:0").manual_seed(0)
+    q, k, v = (torch.randn(1, a.tokens, a.heads, a.dim, device="cuda:0", dtype=torch.bfloat16, generator=g)
+               for _ in range(3))
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def kernel(qf, kf, vf):
+        return sdpa(qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2)).transpose(1, 2)
+
+    def nothing(qf, kf, vf):
+        return vf
+
+    want = {"kernel": kernel(q, k, v), "exchange": v}
+    lay = U.shard_layout(a.tokens, n)
+    shares = [[t[:, s0:s0 + c].to(devs[r]) for t in (q, k, v)] for r, (s0, c) in enumerate(lay.shards)]
+    rows, bad = [], 0
+    print(f"cp-exchange: {n} GPUs ({torch.cuda.get_device_name(0)}), q/k/v [1, {a.tokens}, {a.heads}, {a.dim}] bf16, "
+          f"2-D copies available: {G._memcpy_2d() is not None}", flush=True)
+    for pitched in (True, False):
+        for name, local in (("kernel", kernel), ("exchange", nothing)):
+            row = {"copies": "pitched" if pitched else "flat", "row": name}
+            outs, times, err = call(G, U, G.Group(devs, pitched=pitched), lay, shares, local, a.rounds)
+            if err is not None:
+                row["error"] = repr(err)[:300]
+                bad += 1
+            else:
+                full = torch.cat([o.to("cuda:0") for o in outs], 1)
+                row["bit_identical_to_one_gpu"] = bool(torch.equal(full, want[name]))
+                row["ms_per_call"] = round(statistics.median(times), 3)
+                bad += not row["bit_identical_to_one_gpu"]
+            rows.append(row)
+            print("cp-exchange " + json.dumps(row), flush=True)
+    one = kernel(q, k, v)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = []
+    for _ in range(a.rounds):
+        t0.record()
+        kernel(q, k, v)
+        t1.record()
+        t1.synchronize()
+        ms.append(t0.elapsed_time(t1))
+    del one
+    print(f"cp-exchange one GPU, the kernel alone: {statistics.median(ms):.3f} ms", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"gpus": [torch.cuda.get_device_name(i) for i in range(n)], "tokens": a.tokens,
+                       "heads": a.heads, "one_gpu_ms": round(statistics.median(ms), 3), "rows": rows}, f, indent=1)
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
