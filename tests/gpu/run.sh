@@ -9,7 +9,8 @@
 # tests/tools/pin_source.py, for the install stages).
 #
 # Stages:
-#   env            unpack kernels, comfy-kitchen, wheels and ComfyUI (every other stage needs it; run it first)
+#   env            unpack kernels, comfy-kitchen, wheels and ComfyUI (every other stage needs it; run it first);
+#                  FA4_SITE=<dir>: FlashAttention-4 installed there with pip --target (added to the path)
 #   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI)
 #   threads        tests/test_threads.py with CUDA present: no SDPA backend switches PyTorch's global SDPA state
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
@@ -132,6 +133,9 @@ stage_env() {
   local use=${KITCHEN:-$(for v in $KITCHENS; do echo "$v"; done | sort -V | tail -1)}
   ls "$carry"/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/kern "$carry"/*.whl 2>&1 | tail -2
   export PYTHONPATH=/tmp/kern${use:+:/tmp/kitchen-$use}
+  if [ -n "${FA4_SITE:-}" ]; then  # FlashAttention-4 installed with pip --target there (no .pth: its DSL's path too)
+    PYTHONPATH=$PYTHONPATH:$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages
+  fi
   if [ -f "$carry/comfyui.tar.xz" ]; then
     mkdir -p /tmp/comfy && tar xJf "$carry/comfyui.tar.xz" -C /tmp/comfy
     export COMFYUI_PATH=/tmp/comfy/ComfyUI
