@@ -7,7 +7,9 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
   ...).  ComfyUI would use them to run the conds of a step on different GPUs (MultiGPU CFG Split); here the conds stay
   batched on the first GPU and every forward is split by tokens over all GPUs; with ``cfg_split`` and CFG above 1, each
   cond gets half of the GPUs (ComfyUI's cond scheduler over the halves' first GPUs; on 2 GPUs that is CFG Split itself,
-  which measured faster than splitting tokens at CFG 5: docs/multi-gpu.md).
+  which measured faster than splitting tokens at CFG 5: docs/multi-gpu.md).  ComfyUI makes them with the loader's
+  reload function; for a model whose loader registers none (ComfyUI-GGUF's), the clone gets one that copies the loaded
+  model (unpatched, as ComfyUI leaves it before a copy), or, where it cannot be copied, samples on one GPU and says why.
 - **A SAMPLER_SAMPLE wrapper** (:class:`RunWrapper`): per sampling run, the GPUs' models and one worker thread per extra
   GPU; the run's messages (why a forward ran on one GPU) are said once.
 - **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
