@@ -7,7 +7,9 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
   ...).  ComfyUI would use them to run the conds of a step on different GPUs (MultiGPU CFG Split); here the conds stay
   batched on the first GPU and every forward is split by tokens over all GPUs; with ``cfg_split`` and CFG above 1, each
   cond gets half of the GPUs (ComfyUI's cond scheduler over the halves' first GPUs; on 2 GPUs that is CFG Split itself,
-  which measured faster than splitting tokens at CFG 5: docs/multi-gpu.md).
+  which measured faster than splitting tokens at CFG 5: docs/multi-gpu.md).  ComfyUI makes them with the loader's
+  reload function; for a model whose loader registers none (ComfyUI-GGUF's), the clone gets one that copies the loaded
+  model (unpatched, as ComfyUI leaves it before a copy), or, where it cannot be copied, samples on one GPU and says why.
 - **A SAMPLER_SAMPLE wrapper** (:class:`RunWrapper`): per sampling run, the GPUs' models and one worker thread per extra
   GPU; the run's messages (why a forward ran on one GPU) are said once.
 - **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
@@ -400,7 +402,7 @@ def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int
                f"(supported: {fams}): it samples on one GPU")
     elif not simulate:
         try:
-            import comfy.multigpu
+            import comfy.multigpu  # noqa: F401 - only whether it is there (_with_copies uses it)
         except ImportError:
             why = "splitting a model over GPUs needs ComfyUI 0.33 or later (its MultiGPU model copies): one GPU"
         else:
@@ -411,7 +413,7 @@ def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int
             if n < 2:
                 why = f"{len(devices)} GPU{'s' if len(devices) != 1 else ''} here: nothing to split over"
             else:
-                m = comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=True)
+                m, why = _with_copies(m, n)
     m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     if why:
         log.warning("%s: %s", NODE, why)
@@ -422,6 +424,49 @@ def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int
     cp = ContextParallel(unit, gpus, cfg_split, simulate, min_tokens)
     install(m, cp)
     return m
+
+
+class CopyFailed(Exception):
+    """The loaded model could not be copied for another GPU (the message says why)."""
+
+
+def _with_copies(m, n: int):
+    """``m`` (the node's clone) with ComfyUI's MultiGPU copies on ``n`` GPUs, and "" (or ``m`` and why it samples on one
+    GPU).  ComfyUI builds the copies with the loader's reload function (``cached_patcher_init``); only its own loaders
+    register one (ComfyUI-GGUF's does not): for such a model this clone alone gets one that copies the loaded model."""
+    import comfy.multigpu
+
+    if m.cached_patcher_init is not None:
+        return comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=True), ""
+    m.cached_patcher_init = (_copy_of_loaded, (m.model, m.load_device, m.offload_device))
+    try:
+        out = comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=True)
+    except CopyFailed as e:
+        m.cached_patcher_init = None
+        return m, f"{e}: one GPU"
+    log.info("%s: the other GPUs' copies of %s are copies of the loaded model (its loader registers no reload "
+             "function)", NODE, type(m.model).__name__)
+    return out, ""
+
+
+def _copy_of_loaded(base, load_device, offload_device, disable_dynamic=False):
+    """A reload function for a model whose loader registers none: a patcher of a deep copy of ``base`` (the BaseModel)
+    as it is when ComfyUI calls it.  ComfyUI unloads the model first (``deepclone_multigpu``), which takes the weight
+    patches (LoRA, ...) off it; ComfyUI puts them on the copy as on the model."""
+    import copy
+
+    import comfy.model_patcher
+
+    if getattr(base, "current_weight_patches_uuid", None) is not None:  # loaded where ComfyUI's unload did not reach
+        raise CopyFailed(f"{type(base).__name__}'s weights are still patched on another device, so they cannot be "
+                         "copied for the other GPUs (its loader registers no reload function)")
+    try:  # the copy shares the model's config (ComfyUI's model configs cannot be deep-copied; nothing changes them)
+        config = getattr(base, "model_config", None)
+        model = copy.deepcopy(base, {id(config): config})
+    except (TypeError, RuntimeError, NotImplementedError, MemoryError, copy.Error) as e:
+        raise CopyFailed(f"its loader registers no reload function and {type(base).__name__} cannot be copied for the "
+                         f"other GPUs ({type(e).__name__}: {e})") from e
+    return comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
 
 
 def install(m, cp: ContextParallel) -> None:

@@ -459,3 +459,132 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
         groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), some, None, 5.0)
         assert [len(g) for g in groups] == sizes
         restore()
+
+
+# ---------------------------------------------------------------- loaders without a reload function
+
+class QuantTensor(torch.Tensor):
+    """A weight as ComfyUI-GGUF's GGMLTensor keeps it: a tensor subclass with its quantization type, its logical shape
+    and the LoRA patches its patcher puts on it (outside the weights)."""
+
+    def __init__(self, *args, tensor_type, tensor_shape, patches=(), **kwargs):
+        super().__init__()
+        self.tensor_type, self.tensor_shape, self.patches = tensor_type, tensor_shape, list(patches)
+
+    def __new__(cls, *args, tensor_type, tensor_shape, patches=(), **kwargs):
+        return super().__new__(cls, *args, **kwargs)
+
+    def clone(self, *args, **kwargs):
+        return self
+
+    def detach(self, *args, **kwargs):
+        return self
+
+    def new_empty(self, size, *args, **kwargs):
+        return QuantTensor(super().new_empty(size, *args, **kwargs), tensor_type=self.tensor_type, tensor_shape=size,
+                           patches=self.patches)
+
+
+@pytest.fixture
+def two_devices(zoo, monkeypatch):
+    """ComfyUI sees two devices, the CPU and a second one (``cpu:1``: never used to compute here), so that the node
+    asks ComfyUI for a MultiGPU copy of the model (``deepclone_multigpu``), which calls the model's reload function."""
+    import comfy.model_management as mm
+
+    devs = [torch.device("cpu"), torch.device("cpu", 1)]
+    monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
+    yield zoo
+    mm.unload_all_models()
+
+
+def _cpn(mod):
+    return importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+
+
+def _copies(m):
+    return m.get_additional_models_with_key("multigpu")
+
+
+def test_a_model_without_a_reload_function_gets_copies_of_its_unpatched_weights(two_devices):
+    """A model whose loader registers no reload function (ComfyUI-GGUF's), with a LoRA-like patch and loaded (its
+    weights patched in place) before the node: the node's clone alone gets a reload function, ComfyUI's copy for the
+    other GPU is a copy of the model's own weights (unpatched) with the patch kept on the copy's patcher, and the
+    node says once how the copies were made."""
+    import comfy.model_management as mm
+    from comfyui_support import tiny_flux
+    from conftest import capture
+
+    z, mod, _ = two_devices
+    base = tiny_flux()
+    key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+    w0 = base.model.state_dict()[key].clone()
+    lora = base.clone()
+    lora.add_patches({key: (torch.full_like(w0, 0.5),)}, 1.0)
+    mm.load_models_gpu([lora])
+    assert torch.equal(base.model.state_dict()[key], w0 + 0.5)  # loaded: the patch is in the weights
+    assert base.cached_patcher_init is None
+    with capture("patch_attention.parallel") as recs:
+        m = _cpn(mod).context_parallel(lora, gpus=0)
+    said = [r.getMessage() for r in recs]
+    assert len(said) == 1 and "copies of the loaded model" in said[0] and "no reload function" in said[0], said
+    (copy,) = _copies(m)
+    assert copy.load_device == torch.device("cpu", 1) and copy.model is not base.model
+    assert torch.equal(copy.model.state_dict()[key], w0)  # the model's own weights, not the patched ones
+    assert key in copy.patches
+    copy.patch_model()  # ComfyUI puts the patch on the copy as on the model
+    assert torch.equal(copy.model.state_dict()[key], w0 + 0.5)
+    copy.unpatch_model()
+    # only the node's clone has the reload function: the user's model objects see nothing of it
+    assert base.cached_patcher_init is None and lora.cached_patcher_init is None
+    assert m.cached_patcher_init is not None
+
+
+def test_a_tensor_subclass_with_attributes_survives_the_copy(two_devices):
+    """A quantized weight kept as a tensor subclass with attributes (ComfyUI-GGUF's GGMLTensor) is copied as one: its
+    class, data and attributes, in memory of its own."""
+    from comfyui_support import tiny_flux
+
+    z, mod, _ = two_devices
+    base = tiny_flux()
+    layer = base.model.diffusion_model.double_blocks[0].img_attn.qkv
+    w = layer.weight.detach()
+    layer.weight = torch.nn.Parameter(QuantTensor(w.clone(), tensor_type="Q8_0", tensor_shape=w.shape),
+                                      requires_grad=False)
+    (copy,) = _copies(_cpn(mod).context_parallel(base, gpus=0))
+    cw = copy.model.diffusion_model.double_blocks[0].img_attn.qkv.weight
+    assert type(cw) is QuantTensor and torch.equal(cw.as_subclass(torch.Tensor), w)
+    assert (cw.tensor_type, cw.tensor_shape, cw.patches) == ("Q8_0", w.shape, [])
+    assert cw.data_ptr() != layer.weight.data_ptr()
+
+
+@pytest.mark.parametrize("why", ["uncopyable", "still patched"])
+def test_a_model_that_cannot_be_copied_samples_on_one_gpu_and_says_why(two_devices, monkeypatch, why):
+    """No reload function and no copy: a model holding something that cannot be copied (a lock here), or one whose
+    weights are still patched when ComfyUI asks for the copy (loaded on a device its unload does not reach): the node
+    returns a one-GPU clone that says why, raises nothing, and samples as the model does."""
+    import comfy.model_management as mm
+    from comfyui_support import sample, tiny_flux
+    from conftest import capture
+
+    z, mod, _ = two_devices
+    base = tiny_flux()
+    ref = sample(base, steps=2)
+    if why == "uncopyable":
+        base.model.lock = threading.Lock()
+        want = "cannot be copied for the other GPUs (TypeError"
+    else:
+        lora = base.clone()
+        key = "diffusion_model.double_blocks.0.img_attn.qkv.weight"
+        lora.add_patches({key: (torch.zeros_like(base.model.state_dict()[key]),)}, 1.0)
+        mm.load_models_gpu([lora])
+        monkeypatch.setattr(mm, "unload_model_and_clones", lambda *a, **k: None)
+        want = "weights are still patched on another device"
+    with capture("patch_attention.parallel") as recs:
+        m = _cpn(mod).context_parallel(base, gpus=0)
+    said = [r.getMessage() for r in recs]
+    assert len(said) == 1 and want in said[0] and said[0].endswith(": one GPU"), said
+    assert not _copies(m) and m.cached_patcher_init is None and base.cached_patcher_init is None
+    with capture("patch_attention.parallel") as recs:
+        out = sample(m, steps=2)
+    assert [r.getMessage() for r in recs] == said
+    assert torch.equal(out, ref)

@@ -5,12 +5,13 @@
 # Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz or kernels.tar.xz (SageAttention2 + SpargeAttn built by install.py
 # for this GPU, torch and Python), kitchen-<version>.tar.xz (comfy-kitchen's package, its ROCm library left out; the
 # newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
-# torchsde, trampoline, comfy-aimdo), .src (the pinned upstream archives, <commit>.tar.gz, made by
-# tests/tools/pin_source.py, for the install stages).
+# torchsde, trampoline, comfy-aimdo, gguf), comfyui-gguf.tar.xz (a ComfyUI-GGUF checkout, top folder ComfyUI-GGUF: the
+# cp-compose stage's GGUF case), .src (the pinned upstream archives, <commit>.tar.gz, made by tests/tools/pin_source.py,
+# for the install stages).
 #
 # Stages:
-#   env            unpack kernels, comfy-kitchen, wheels and ComfyUI (every other stage needs it; run it first);
-#                  FA4_SITE=<dir>: FlashAttention-4 installed there with pip --target (added to the path)
+#   env            unpack kernels, comfy-kitchen, wheels, ComfyUI and ComfyUI-GGUF (every other stage needs it; run it
+#                  first); FA4_SITE=<dir>: FlashAttention-4 installed there with pip --target (added to the path)
 #   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI)
 #   threads        tests/test_threads.py with CUDA present: no SDPA backend switches PyTorch's global SDPA state
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
@@ -91,7 +92,10 @@
 #                  copies against made contiguous first, with and without the kernel, bit-identical to one GPU
 #                  (tests/gpu/cp_exchange.py; CP_TOKENS, default 32760)
 #   cp-compose     Context Parallel over every GPU with a LoRA-like patch before and after the node, Patch Attention
-#                  after it, and torch.compile (kept on one GPU), each against one GPU (tests/gpu/cp_compose.py)
+#                  after it, and torch.compile (kept on one GPU), then models loaded from files by the loaders users use:
+#                  fp8-scaled (UNETLoader's), GGUF Q8_0 (ComfyUI-GGUF's, from comfyui-gguf.tar.xz), each against one GPU
+#                  (tests/gpu/cp_compose.py); cp-compose-dynamic: the bf16 file and the GGUF one under ComfyUI's dynamic
+#                  VRAM (a process of its own)
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
 #                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
 #   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
@@ -108,7 +112,7 @@
 #                  270), CP_ZOO_ONLY=a,b, CP_ZOO_GPUS=n, CP_ZOO_CASE_TIMEOUT (default 60 s), CP_ZOO_DEVICE=cpu (the dry
 #                  run: fp32, ranks simulated as threads); fails when a case fails
 #
-# The runner's exit status is 1 when a stage returned non-zero (cp-zoo on a failing case).
+# The runner's exit status is 1 when a stage returned non-zero (cp-zoo, cp-compose and cp-compose-dynamic on a failing case).
 set -u
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/pa-out}; mkdir -p "$OUT"
@@ -139,6 +143,10 @@ stage_env() {
   if [ -f "$carry/comfyui.tar.xz" ]; then
     mkdir -p /tmp/comfy && tar xJf "$carry/comfyui.tar.xz" -C /tmp/comfy
     export COMFYUI_PATH=/tmp/comfy/ComfyUI
+  fi
+  if [ -f "$carry/comfyui-gguf.tar.xz" ]; then  # ComfyUI-GGUF, loaded as a custom node by cp_compose.py's gguf case
+    mkdir -p /tmp/custom_nodes && tar xJf "$carry/comfyui-gguf.tar.xz" -C /tmp/custom_nodes
+    export COMFYUI_GGUF=/tmp/custom_nodes/ComfyUI-GGUF
   fi
   echo "comfy-kitchen versions: ${KITCHENS:-none}; in use: ${use:-none}; ComfyUI: $($PY -c "import sys;sys.path.insert(0,'${COMFYUI_PATH:-.}');from comfyui_version import __version__ as v;print(v)" 2>/dev/null)"
   $PY -c "import attention; print('usable:', attention.REGISTRY.available())"
@@ -389,10 +397,17 @@ stage_cp-exchange() {
   timeout 120 $PY tests/gpu/cp_exchange.py --tokens "${CP_TOKENS:-32760}" --json "$OUT/cp-exchange.json" 2>&1 | tail -n 12
 }
 
-stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile
+stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile, fp8, GGUF
+  timeout "${CP_COMPOSE_LIMIT:-420}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
+    --cases "${CP_COMPOSE_CASES:-lora-before,lora-after,patch-after,compile,fp8-scaled,gguf}" \
+    --json "$OUT/cp-compose.json" 2>&1 | grep -E "^cp-compose|Traceback|Error" | tail -n 30
+  return $(( PIPESTATUS[0] != 0 ))
+}
+stage_cp-compose-dynamic() {  # the file cases under ComfyUI's dynamic VRAM: switched on before any model loads
   timeout "${CP_COMPOSE_LIMIT:-300}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
-    --cases "${CP_COMPOSE_CASES:-lora-before,lora-after,patch-after,compile}" --json "$OUT/cp-compose.json" 2>&1 \
+    --dynamic-vram --cases "${CP_COMPOSE_DYNAMIC_CASES:-dynamic,gguf}" --json "$OUT/cp-compose-dynamic.json" 2>&1 \
     | grep -E "^cp-compose|Traceback|Error" | tail -n 30
+  return $(( PIPESTATUS[0] != 0 ))
 }
 
 stage_cp-ltx() {
