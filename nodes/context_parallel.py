@@ -434,22 +434,34 @@ def _with_copies(m, n: int):
     """``m`` (the node's clone) with ComfyUI's MultiGPU copies on ``n`` GPUs, and "" (or ``m`` and why it samples on one
     GPU).  ComfyUI builds the copies with the loader's reload function (``cached_patcher_init``); only its own loaders
     register one (ComfyUI-GGUF's does not): for such a model this clone alone gets one that copies the loaded model."""
-    import comfy.multigpu
-
-    if m.cached_patcher_init is not None:
-        return comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=True), ""
-    m.cached_patcher_init = (_copy_of_loaded, (m.model, m.load_device, m.offload_device))
+    copied = []
+    if m.cached_patcher_init is None:
+        m.cached_patcher_init = (_copy_of_loaded, (m.model, m.load_device, m.offload_device, copied))
     try:
-        out = comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=True)
+        out = _deepclones(m, n)
     except CopyFailed as e:
         m.cached_patcher_init = None
         return m, f"{e}: one GPU"
-    log.info("%s: the other GPUs' copies of %s are copies of the loaded model (its loader registers no reload "
-             "function)", NODE, type(m.model).__name__)
+    if copied:
+        log.info("%s: the other GPUs' copies of %s are copies of the loaded model (its loader registers no reload "
+                 "function)", NODE, type(m.model).__name__)
     return out, ""
 
 
-def _copy_of_loaded(base, load_device, offload_device, disable_dynamic=False):
+def _deepclones(m, n: int):
+    """``comfy.multigpu.create_multigpu_deepclones``, reusing the copies already loaded on the GPUs.  ComfyUI 0.33's
+    reuse reads every loaded model's patcher, which is None for a model it reports as leaked ("memory leak with model
+    ..."); then it raises AttributeError: the copies are made afresh instead."""
+    import comfy.model_management as mm
+    import comfy.multigpu
+
+    leaked = any(p is None for p in mm.loaded_models())
+    if leaked:
+        log.info("%s: a leaked model is among ComfyUI's loaded models: the GPUs' copies are made afresh", NODE)
+    return comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=not leaked)
+
+
+def _copy_of_loaded(base, load_device, offload_device, copied=None, disable_dynamic=False):
     """A reload function for a model whose loader registers none: a patcher of a deep copy of ``base`` (the BaseModel)
     as it is when ComfyUI calls it.  ComfyUI unloads the model first (``deepclone_multigpu``), which takes the weight
     patches (LoRA, ...) off it; ComfyUI puts them on the copy as on the model."""
@@ -466,6 +478,8 @@ def _copy_of_loaded(base, load_device, offload_device, disable_dynamic=False):
     except (TypeError, RuntimeError, NotImplementedError, MemoryError, copy.Error) as e:
         raise CopyFailed(f"its loader registers no reload function and {type(base).__name__} cannot be copied for the "
                          f"other GPUs ({type(e).__name__}: {e})") from e
+    if copied is not None:
+        copied.append(True)
     return comfy.model_patcher.ModelPatcher(model, load_device, offload_device)
 
 

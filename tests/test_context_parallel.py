@@ -588,3 +588,22 @@ def test_a_model_that_cannot_be_copied_samples_on_one_gpu_and_says_why(two_devic
         out = sample(m, steps=2)
     assert [r.getMessage() for r in recs] == said
     assert torch.equal(out, ref)
+
+
+def test_a_leaked_model_among_the_loaded_ones_gets_fresh_copies(two_devices, monkeypatch):
+    """ComfyUI 0.33 reports a model whose patcher is gone while its weights stay loaded as leaked, and its MultiGPU
+    reuse then reads ``None.model`` (AttributeError).  The node makes the copies afresh instead, and says so."""
+    import comfy.model_management as mm
+    from comfyui_support import tiny_flux
+    from conftest import capture
+
+    z, mod, _ = two_devices
+    base = tiny_flux()
+    loaded = mm.loaded_models
+    monkeypatch.setattr(mm, "loaded_models", lambda *a, **k: [None, *loaded(*a, **k)])
+    with capture("patch_attention.parallel") as recs:
+        m = _cpn(mod).context_parallel(base, gpus=0)
+    said = [r.getMessage() for r in recs]
+    assert any("leaked model" in s and "made afresh" in s for s in said), said
+    (copy,) = _copies(m)
+    assert copy.load_device == torch.device("cpu", 1) and copy.model is not base.model

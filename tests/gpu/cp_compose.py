@@ -121,6 +121,22 @@ def save_gguf(sd: dict, path: str, arch: str = "wan") -> None:
     w.close()
 
 
+def _no_av():
+    """A stand-in for PyAV's module where it is not installed: any name in it is an empty class (what ComfyUI's
+    modules need of it at import); using one fails."""
+    import types
+
+    mod = types.ModuleType("av")
+
+    def missing(name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return type(name, (), {})
+
+    mod.__getattr__ = missing
+    return mod
+
+
 def load_gguf(path: str, node_dir: str):
     """``path`` loaded by ComfyUI-GGUF's UnetLoaderGGUF (its checkout ``node_dir`` loaded as ComfyUI loads a custom node),
     the file's folder registered where the loader looks (diffusion_models, which its unet_gguf list follows)."""
@@ -129,6 +145,10 @@ def load_gguf(path: str, node_dir: str):
     import comfy.sd
     import folder_paths
 
+    try:  # ComfyUI's nodes.py imports PyAV (its video types) and the GPU machine has none; nothing here uses it
+        import av  # noqa: F401
+    except ImportError:
+        sys.modules["av"] = _no_av()
     # ComfyUI's nodes.py, which ComfyUI-GGUF imports too (this repository's nodes/ is earlier on the path)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(comfy.sd.__file__))))
     try:
@@ -190,8 +210,6 @@ def main(argv=None) -> int:
         return e2e._sample(m, job, job.steps).float().cpu()
 
     def split(m):
-        if not copies:
-            copies.extend(MG.copies(e2e, job, a.preset))
         return cpn.context_parallel(MG.with_copies(m, copies), gpus=0, cfg_split=False, min_tokens=0)
 
     def node(m):  # the node alone: ComfyUI makes the GPUs' copies, as in a workflow
@@ -209,33 +227,39 @@ def main(argv=None) -> int:
         set_torch_compile_wrapper(m, backend="inductor")
         return m
 
+    # the copies on the other GPUs before anything runs, as this script made them when its plain cases were measured
+    if not a.dynamic_vram:
+        copies.extend(MG.copies(e2e, job, a.preset))
     # the process's first sampling run differs from every later one (first-use settings: measured, rel-L1 7e-3 with
     # nothing split), so every case runs after one
     e2e._sample(base, job, 1)
     folder = tempfile.mkdtemp(prefix="pa-cp-compose-")
     files, loaded = {}, {}
-    wanted = {c.split("#")[0] for c in names}
-    if wanted & set(FILE_CASES):  # the files, from the preset's weights, before dynamic VRAM (its models load lazily)
+    writers = {"fp8-scaled": ("fp8-scaled.safetensors", save_fp8_scaled), "gguf": ("q8_0.gguf", save_gguf),
+               "dynamic": ("bf16.safetensors", save_bf16)}
+
+    def write(names):  # the files, from the preset's weights
         sd = diffusion_state_dict(base)
-        writers = {"fp8-scaled": ("fp8-scaled.safetensors", save_fp8_scaled), "gguf": ("q8_0.gguf", save_gguf),
-                   "dynamic": ("bf16.safetensors", save_bf16)}
-        for name in sorted(wanted & set(FILE_CASES)):
-            fname, write = writers[name]
+        for name in names:
+            fname, writer = writers[name]
             files[name] = os.path.join(folder, fname)
             t0 = time.perf_counter()
             try:
-                write(sd, files[name])
+                writer(sd, files[name])
                 print(f"cp-compose: wrote {fname} ({os.path.getsize(files[name]) / 2**30:.2f} GiB) in "
                       f"{time.perf_counter() - t0:.0f} s", flush=True)
             except Exception as e:  # the case fails with it
                 files[name] = e
-        del sd
-    if a.dynamic_vram:
+
+    if a.dynamic_vram:  # every file before dynamic VRAM is on (its models load lazily) and the preset's model is gone
+        write(sorted({c.split("#")[0] for c in names} & set(FILE_CASES)))
         del job.model, base
         torch.cuda.empty_cache()
         e2e.enable_dynamic_vram()
 
     def from_file(name):
+        if name not in files:
+            write([name])
         if isinstance(files[name], Exception):
             raise RuntimeError(f"writing the file failed: {files[name]}") from files[name]
         if name not in loaded:
