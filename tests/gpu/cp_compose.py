@@ -66,6 +66,7 @@ def lora_patches(model, scale: float = 0.02, seed: int = 1) -> dict:
 
 
 FILE_CASES = ("fp8-scaled", "gguf", "dynamic")
+COMPILE_BOUND = 1e-2  # the compile case: below what two exact kernels differ by on these random weights (3e-2)
 SPLIT = re.compile(r"Context Parallel: (\d+) of (\d+) forwards split over (\d+) GPUs")
 
 
@@ -121,20 +122,45 @@ def save_gguf(sd: dict, path: str, arch: str = "wan") -> None:
     w.close()
 
 
-def _no_av():
-    """A stand-in for PyAV's module where it is not installed: any name in it is an empty class (what ComfyUI's
-    modules need of it at import); using one fails."""
-    import types
+class _Stand(type):
+    """An empty class whose every attribute is another (PyAV's enums and classes as ComfyUI names them at import)."""
 
-    mod = types.ModuleType("av")
-
-    def missing(name):
+    def __getattr__(cls, name):
         if name.startswith("__"):
             raise AttributeError(name)
-        return type(name, (), {})
+        return _Stand(name, (), {})
 
-    mod.__getattr__ = missing
-    return mod
+
+class _NoAv:
+    """Stand-ins for PyAV's modules where it is not installed (``av`` and any ``av.<name>``): any name in them is an
+    empty class (:class:`_Stand`), what ComfyUI's modules need of PyAV at import; using one fails."""
+
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        import importlib.machinery
+
+        if name == "av" or name.startswith("av."):
+            return importlib.machinery.ModuleSpec(name, _NoAv, is_package=True)
+        return None
+
+    @staticmethod
+    def create_module(spec):
+        import types
+
+        mod = types.ModuleType(spec.name)
+
+        def missing(name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return _Stand(name, (), {})
+
+        mod.__getattr__ = missing
+        mod.__path__ = []
+        return mod
+
+    @staticmethod
+    def exec_module(module):
+        pass
 
 
 def load_gguf(path: str, node_dir: str):
@@ -148,7 +174,7 @@ def load_gguf(path: str, node_dir: str):
     try:  # ComfyUI's nodes.py imports PyAV (its video types) and the GPU machine has none; nothing here uses it
         import av  # noqa: F401
     except ImportError:
-        sys.modules["av"] = _no_av()
+        sys.meta_path.append(_NoAv)
     # ComfyUI's nodes.py, which ComfyUI-GGUF imports too (this repository's nodes/ is earlier on the path)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(comfy.sd.__file__))))
     try:
@@ -305,8 +331,10 @@ def main(argv=None) -> int:
                 r["ok"] = r["finite"] and exact and r["split"] and (name != "dynamic" or m.is_dynamic())
             else:
                 r["split"] = not one_gpu
-                want_split = name != "compile"
-                r["ok"] = r["finite"] and r["rel_l1_vs_1gpu"] == 0.0 and r["split"] == want_split
+                # compiled: kept on one GPU; its latent within the exact floor of the model compiled without the node
+                # (another graph, compiled again: not bit for bit)
+                bound = COMPILE_BOUND if name == "compile" else 0.0
+                r["ok"] = r["finite"] and r["rel_l1_vs_1gpu"] <= bound and r["split"] == (name != "compile")
         except Exception as e:  # a case's failure is a result
             r.update(ok=False, error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])
         r["seconds"] = round(time.perf_counter() - t0, 1)
