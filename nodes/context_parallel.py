@@ -469,6 +469,15 @@ def _copy_of_loaded(base, load_device, offload_device, copied=None, disable_dyna
 
     import comfy.model_patcher
 
+    try:
+        import comfy.memory_management as memory
+    except ImportError:  # before ComfyUI 0.33
+        memory = None
+    if getattr(memory, "aimdo_enabled", False):
+        # measured: a copy of a GGUF model loaded under dynamic VRAM shares comfy-aimdo's buffers with the model, and
+        # the process aborts with a double free when both are freed
+        raise CopyFailed(f"ComfyUI's dynamic VRAM is on and {type(base).__name__}'s loader registers no reload "
+                         "function: its weights cannot be copied for the other GPUs under dynamic VRAM")
     if getattr(base, "current_weight_patches_uuid", None) is not None:  # loaded where ComfyUI's unload did not reach
         raise CopyFailed(f"{type(base).__name__}'s weights are still patched on another device, so they cannot be "
                          "copied for the other GPUs (its loader registers no reload function)")

@@ -328,7 +328,11 @@ def main(argv=None) -> int:
                 counts = [tuple(map(int, x.groups())) for x in map(SPLIT.search, said) if x]
                 r["split"] = not one_gpu and bool(counts) and all(s == f and s > 0 and g == n for s, f, g in counts)
                 exact = r["rel_l1_vs_1gpu"] <= 1e-3 if name == "gguf" else r["rel_l1_vs_1gpu"] == 0.0
-                r["ok"] = r["finite"] and exact and r["split"] and (name != "dynamic" or m.is_dynamic())
+                # GGUF under dynamic VRAM: no copy (it would share comfy-aimdo's buffers): one GPU, and the log says why
+                want_split = not (name == "gguf" and a.dynamic_vram)
+                said_why = want_split or any("cannot be copied for the other GPUs under dynamic VRAM" in s for s in said)
+                r["ok"] = r["finite"] and exact and r["split"] == want_split and said_why and \
+                    (name != "dynamic" or m.is_dynamic())
             else:
                 r["split"] = not one_gpu
                 # compiled: kept on one GPU; its latent within the exact floor of the model compiled without the node
