@@ -15,6 +15,8 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
 - **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
   copied to each other GPU, to that GPU's model in its worker thread, with a :class:`~..parallel.context.RankContext`
   in the forward's ``transformer_options`` and the family unit's block patches; it returns the first GPU's output.
+- **torch.compile**: ComfyUI's TorchCompileModel compiles the modules of the model it is given (the first GPU's);
+  each other GPU's forward gets its copy's modules compiled with the same options (:func:`_compiled_per_gpu`).
 - **The attention hook** (:class:`ContextParallelAttention`): calls over the split sequence are exchanged
   (:mod:`..parallel.ulysses`) around whatever was on the hook: Patch Attention (any backend, ``auto``), another
   override, or ComfyUI's own attention; calls from a sequence every GPU holds whole to the split one get the split
@@ -166,7 +168,7 @@ class ContextParallel:
 class Run:
     """One sampling run: the GPUs' models by group, a worker per extra GPU, what was said."""
 
-    def __init__(self, groups: list, grad: bool, inference: bool):
+    def __init__(self, groups: list, grad: bool, inference: bool, compile_options: dict | None = None):
         self.groups = groups  # [[(device, BaseModel), ...] per group]; each group's first is where its forwards start
         self.by_leader = {g[0][0]: g for g in groups}
         self.workers = {}
@@ -177,6 +179,8 @@ class Run:
         self.grad, self.inference = grad, inference
         self.said = set()
         self.forwards = self.split_forwards = 0
+        self.compile_options = compile_options  # TorchCompileModel's torch.compile options (None: not compiled)
+        self.compiled = {}  # id(BaseModel) -> (BaseModel, its TorchCompileModel wrapper): one per GPU's copy
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -199,7 +203,8 @@ class RunWrapper(BoundWrapper):
         options = extra.get("model_options", {}) if isinstance(extra, dict) else {}
         base = getattr(getattr(guider, "model_patcher", None), "model", None)
         groups, restore = self.groups(cp, options, base, getattr(guider, "cfg", 1.0))
-        run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if groups else None
+        run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
+                  options.get(COMPILE_OPTIONS)) if groups else None
         prev, cp.run = cp.run, run
         try:
             return executor(*args, **kwargs)
@@ -254,7 +259,9 @@ class ForwardWrapper(BoundWrapper):
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         with cp._lock:
             run.forwards += 1
-        why = self.why_not(control, topts, {d for d, _ in ranks})
+        compiled = _compiled_per_gpu(cp, run, topts, ranks)
+        why = self.why_not(control, topts, {d for d, _ in ranks}) if compiled is None else \
+            self.why_not(control, {}, {d for d, _ in ranks})
         if why:
             cp.say(why, "%s: this forward runs on one GPU: %s", NODE, why)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
@@ -268,9 +275,10 @@ class ForwardWrapper(BoundWrapper):
             dev, model = ranks[r]
             worker = run.workers[(ranks[0][0], r)]
             futures.append(worker.submit(self._rank, run, model, ctxs[r], dev, (x, t, c_concat, c_crossattn, control),
-                                         self.rank_options(topts, ctxs[r], keys, dev), kwargs))
+                                         self.rank_options(topts, ctxs[r], keys, dev, compiled and compiled[r]), kwargs))
         try:
-            out = executor(x, t, c_concat, c_crossattn, control, self.rank_options(topts, ctxs[0], keys, None), **kwargs)
+            out = executor(x, t, c_concat, c_crossattn, control,
+                           self.rank_options(topts, ctxs[0], keys, None, compiled and compiled[0]), **kwargs)
         except BaseException as e:
             group.abort(e)
             concurrent.futures.wait(futures)
@@ -294,15 +302,20 @@ class ForwardWrapper(BoundWrapper):
             return "a ControlNet's residuals are made for the whole sequence"
         wrappers = topts.get("wrappers", {}).get("apply_model", {})
         if len(devices) > 1 and wrappers.get(COMPILE_KEY):
-            # ComfyUI's TorchCompileModel compiles the first GPU's diffusion model; every GPU's copy would run that one
-            return "torch.compile (TorchCompileModel) compiled the first GPU's model, which the other GPUs cannot run"
+            # a compile wrapper the node cannot make for the other GPUs' copies (TorchCompileModel's it can:
+            # _compiled_per_gpu): every GPU's copy would run the first GPU's compiled modules
+            return "torch.compile compiled the first GPU's model, which the other GPUs cannot run"
         return ""
 
     @staticmethod
-    def rank_options(topts: dict, ctx: RankContext, keys: list, device) -> dict:
+    def rank_options(topts: dict, ctx: RankContext, keys: list, device, compiled=None) -> dict:
         """The forward's transformer_options for one GPU: its context, the unit's block patches over any already there,
-        the top-level tensors on its device."""
+        the top-level tensors on its device, and (``compiled``) TorchCompileModel's wrapper for this GPU's copy."""
         out = {k: (_to(v, device) if device is not None else v) for k, v in topts.items()}
+        if compiled is not None:
+            wrappers = dict(out.get("wrappers", {}))
+            wrappers["apply_model"] = {**wrappers.get("apply_model", {}), COMPILE_KEY: [compiled]}
+            out["wrappers"] = wrappers
         replace = dict(out.get("patches_replace", {}))
         dit = dict(replace.get("dit", {}))
         for key in keys:
@@ -323,6 +336,53 @@ class ForwardWrapper(BoundWrapper):
         except BaseException as e:
             ctx.group.abort(e)
             raise
+
+
+def _compiled_per_gpu(cp, run, topts: dict, ranks: list):
+    """TorchCompileModel's wrapper for each rank's copy of the model (by rank), or None where the forward carries no
+    such wrapper or it cannot be made for every copy.
+
+    ComfyUI's TorchCompileModel compiles the modules of the model it was given (the first GPU's) and swaps them in for
+    each forward; another GPU's copy needs its own modules compiled with the same options.  Each copy's are compiled
+    once per sampling run (torch.compile is lazy: the first forward on that GPU compiles, and a later run finds
+    dynamo's code already compiled)."""
+    wrappers = topts.get("wrappers", {}).get("apply_model", {}).get(COMPILE_KEY)
+    if not wrappers or len(wrappers) != 1 or run.compile_options is None:
+        return None
+    if len({id(model) for _, model in ranks}) < len(ranks):  # ranks sharing a model (simulated): its wrapper serves all
+        return None
+    made = _compiled_modules(wrappers[0])
+    if made is None:
+        return None
+    import comfy.utils
+    from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
+
+    def own(model, key):  # the copy's module (not a compiled one swapped in for a forward under way)
+        module = comfy.utils.get_attr(model, key)
+        return getattr(module, "_orig_mod", module)
+
+    out = []
+    for _, model in ranks:
+        if all(getattr(m, "_orig_mod", None) is own(model, k) for k, m in made.items()):
+            out.append(wrappers[0])  # the copy it was made for
+            continue
+        with cp._lock:
+            got = run.compiled.get(id(model))
+            if got is None:
+                modules = {k: torch.compile(own(model, k), **run.compile_options) for k in made}
+                got = run.compiled[id(model)] = (model, apply_torch_compile_factory(modules))
+        out.append(got[1])
+    return out
+
+
+def _compiled_modules(wrapper) -> dict | None:
+    """The ``{key: compiled module}`` ComfyUI's TorchCompileModel wrapper swaps in (None: not that wrapper)."""
+    cells = getattr(wrapper, "__closure__", None) or ()
+    names = getattr(getattr(wrapper, "__code__", None), "co_freevars", ())
+    for name, cell in zip(names, cells):
+        if name == "compiled_module_dict" and isinstance(cell.cell_contents, dict):
+            return cell.cell_contents
+    return None
 
 
 def _first_error(futures):
@@ -376,6 +436,7 @@ class OneGpuNotice(BoundWrapper):
 
 
 COMPILE_KEY = "torch.compile"  # the wrapper key of ComfyUI's TorchCompileModel (comfy_api.torch_helpers)
+COMPILE_OPTIONS = "torch_compile_kwargs"  # where it keeps its torch.compile options in the model options
 
 # A forward splits only sequences of at least this many tokens (the split part) over real GPUs. Every GPU's thread runs
 # the whole model's Python under one interpreter lock, so a step's host work is done once per GPU: a short sequence

@@ -607,3 +607,48 @@ def test_a_leaked_model_among_the_loaded_ones_gets_fresh_copies(two_devices, mon
     assert any("leaked model" in s and "made afresh" in s for s in said), said
     (copy,) = _copies(m)
     assert copy.load_device == torch.device("cpu", 1) and copy.model is not base.model
+
+
+def test_torch_compile_gets_each_gpus_copy_compiled(zoo):
+    """ComfyUI's TorchCompileModel compiled the first GPU's modules; the split forward gives every other GPU's copy its
+    own, compiled with the same options once per run, swapped in on that copy for its forward (as ComfyUI's wrapper
+    does on the first)."""
+    import types
+
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    z, mod, _ = zoo
+    cpn = _cpn(mod)
+    cls, case = _case(z, "WAN21_T2V")
+    first, second = z.build(cls, case), z.build(cls, case)
+    m = first.clone()
+    set_torch_compile_wrapper(m, backend="eager")
+    topts = {"wrappers": m.wrappers}
+    run = types.SimpleNamespace(compile_options=m.model_options[cpn.COMPILE_OPTIONS], compiled={})
+    cp = types.SimpleNamespace(_lock=threading.Lock())
+    ranks = [(torch.device("cpu"), first.model), (torch.device("cpu"), second.model)]
+    mine = cpn._compiled_per_gpu(cp, run, topts, ranks)
+    assert mine[0] is m.wrappers["apply_model"][cpn.COMPILE_KEY][0]  # the first GPU's own, as ComfyUI made it
+    assert mine[1] is not mine[0] and cpn._compiled_per_gpu(cp, run, topts, ranks)[1] is mine[1]  # once per run
+    (key, compiled), = cpn._compiled_modules(mine[1]).items()
+    assert key == "diffusion_model" and compiled._orig_mod is second.model.diffusion_model
+    seen = []
+
+    # ComfyUI calls the wrapper with its executor: during the call the copy's module is the compiled one
+    class Executor:
+        class_obj = second.model
+
+        def __call__(self, *a, **k):
+            seen.append(self.class_obj.diffusion_model)
+            return "out"
+
+    assert mine[1](Executor()) == "out" and seen == [compiled]
+    assert second.model.diffusion_model is compiled._orig_mod  # put back after the call
+    opts = {**topts}
+    out = cpn.ForwardWrapper.rank_options(opts, None, [], None, mine[1])
+    assert out["wrappers"]["apply_model"][cpn.COMPILE_KEY] == [mine[1]]
+    assert topts["wrappers"]["apply_model"][cpn.COMPILE_KEY] == m.wrappers["apply_model"][cpn.COMPILE_KEY]
+    # not ComfyUI's wrapper (or no options): None, and the forward stays on one GPU as before
+    assert cpn._compiled_per_gpu(cp, types.SimpleNamespace(compile_options=None, compiled={}), topts, ranks) is None
+    assert cpn._compiled_per_gpu(cp, run, {"wrappers": {"apply_model": {cpn.COMPILE_KEY: [lambda e: e()]}}},
+                                 ranks) is None
