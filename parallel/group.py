@@ -75,10 +75,12 @@ class Group:
 
     # ------------------------------------------------------------------ exchanges
 
+    @torch.compiler.disable  # a rendezvous of threads and copies between devices: run as it is, never traced
     def gather_objects(self, rank: int, obj) -> list:
         """Every rank's ``obj`` (plain Python values: flags, layer lists), in rank order."""
         return list(self._post(rank, obj))
 
+    @torch.compiler.disable  # a rendezvous of threads and copies between devices: run as it is, never traced
     def post(self, rank: int, tensors: tuple) -> list:
         """Post ``tensors`` (this rank's, on its device) and wait until every rank posted its own: every rank's posting,
         by rank, for :meth:`puller`."""
@@ -112,6 +114,7 @@ class Group:
             streams[rank] = torch.cuda.Stream(self.devices[rank])
         return streams[rank]
 
+    @torch.compiler.disable  # a rendezvous of threads and copies between devices: run as it is, never traced
     def exchange(self, rank: int, tensors: tuple, fill) -> None:
         """Post ``tensors`` (this rank's, on its device) and, once all ranks have, call ``fill(peer, peer_tensors,
         copy)`` for every rank ``peer`` (this one included): ``copy(dst, src)`` copies a peer's tensor (or a view of it)

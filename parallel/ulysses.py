@@ -93,6 +93,7 @@ def shard_layout(tokens: int, ranks: int, prefix: int = 0, suffix: int = 0) -> L
     return Layout(prefix, tuple(split(tokens, ranks)), suffix)
 
 
+@torch.compiler.disable  # under torch.compile: a graph break; the exchange and the kernel run as they are
 def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, masks: RowMasks | None = None):
     """Attention of this rank's tokens over every rank's tokens.
 
