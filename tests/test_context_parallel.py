@@ -383,8 +383,8 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
 @pytest.mark.comfyui
 def test_torch_compile_under_the_split(zoo):
     """ComfyUI's TorchCompileModel wrapper on the split model: ranks sharing one device (simulated) run the compiled
-    model split, with the one-device latent; on several devices the compiled module is the first GPU's, so the node
-    keeps such forwards on one GPU and says why."""
+    model split, with the one-device latent.  On several devices a compile wrapper the node cannot make for the other
+    GPUs' copies keeps the forward on one GPU with the reason (TorchCompileModel's it makes: the next test)."""
     import torch._dynamo
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
