@@ -652,3 +652,20 @@ def test_torch_compile_gets_each_gpus_copy_compiled(zoo):
     assert cpn._compiled_per_gpu(cp, types.SimpleNamespace(compile_options=None, compiled={}), topts, ranks) is None
     assert cpn._compiled_per_gpu(cp, run, {"wrappers": {"apply_model": {cpn.COMPILE_KEY: [lambda e: e()]}}},
                                  ranks) is None
+
+
+def test_no_copy_of_a_loaded_model_under_dynamic_vram(two_devices, monkeypatch):
+    """With ComfyUI's dynamic VRAM on, a model whose loader registers no reload function is not copied (a copy of a
+    GGUF model shared comfy-aimdo's buffers, and the process aborted when both were freed): one GPU, and why."""
+    import comfy.memory_management
+    from comfyui_support import tiny_flux
+    from conftest import capture
+
+    z, mod, _ = two_devices
+    base = tiny_flux()
+    monkeypatch.setattr(comfy.memory_management, "aimdo_enabled", True, raising=False)
+    with capture("patch_attention.parallel") as recs:
+        m = _cpn(mod).context_parallel(base, gpus=0)
+    said = [r.getMessage() for r in recs]
+    assert len(said) == 1 and "cannot be copied for the other GPUs under dynamic VRAM: one GPU" in said[0], said
+    assert not _copies(m) and m.cached_patcher_init is None and base.cached_patcher_init is None
