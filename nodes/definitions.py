@@ -679,7 +679,8 @@ def context_parallel_description() -> str:
             "attention exchanged between the GPUs), with any Patch Attention backend before or after it. Supported: "
             + "; ".join(name for name, _ in supported()) + ". Other models, steps with fewer than 16,384 tokens to split "
             "(images, short clips: faster on one GPU) and machines with one GPU sample on one GPU and the log says why. "
-            "Needs ComfyUI 0.33 or later.")
+            "Every GPU holds a whole copy of the model (LoRA, fp8-scaled and GGUF models too). Needs ComfyUI 0.33 or "
+            "later.")
 
 
 CONTEXT_PARALLEL = Node(
