@@ -1,10 +1,11 @@
 """The ranks of one model forward split over several devices, one thread each, in one process.
 
 A :class:`Group` is made per forward. Its ranks meet at each exchange (a ``threading.Barrier``); a rank posts the tensors
-it offers, and after the barrier every rank *pulls* what it needs from the others with PyTorch's own device-to-device
-copies (``Tensor.copy_`` across devices: a peer copy over NVLink or PCIe where the GPUs allow it, through host memory
-otherwise). There is no collective written by hand: an exchange is a barrier (the ranks' tensors are all posted) and
-plain copies.
+it offers, and after the barrier every rank *pulls* what it needs from the others with device-to-device copies:
+PyTorch's (``Tensor.copy_`` across devices: a peer copy over NVLink or PCIe where the GPUs allow it, through host memory
+otherwise), and for a strided share (some heads of every token) the CUDA runtime's 2-D copy, one block of rows a fixed
+pitch apart, by the copy engine (:func:`pitched_plan`).  There is no collective written by hand: an exchange is a
+barrier (the ranks' tensors are all posted) and plain copies.  Under ``torch.compile`` the rendezvous is never traced.
 
 Streams: a rank posts its tensors with an event recorded on its compute stream. A peer's copies out of them run on the
 posting rank's *send stream* (one per rank and forward, from PyTorch's stream pool), after that event; PyTorch makes the
