@@ -124,6 +124,17 @@ def test_whole_rows_are_one_block_and_other_copies_are_refused():
     assert G.pitched_plan(torch.empty(64), flat) == [(0, 256, 0, 256, 256, 1)]
 
 
+@pytest.mark.parametrize("total,parts,align,want", [
+    (32760, 2, 128, [16384, 16376]), (32760, 3, 128, [10880, 10880, 11000]), (100, 4, 1, [25, 25, 25, 25]),
+    (10, 3, 8, [4, 3, 3]), (1000, 2, 256, [512, 488])])
+def test_an_aligned_split_keeps_every_share_but_the_last_a_multiple(total, parts, align, want):
+    """``split(..., align)``: every share but the last a multiple of ``align`` (within ``align`` of each other),
+    covering every item in order; too few items for a block per part: the even split."""
+    got = G.split(total, parts, align)
+    assert [n for _, n in got] == want
+    assert [s for s, _ in got] == [sum(want[:i]) for i in range(parts)]
+
+
 @pytest.mark.parametrize("pipeline", [None, 2, 3])
 @pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens", [
     (2, 4, 4, 0, 0, 37), (3, 40, 40, 5, 0, 50), (4, 3, 3, 0, 7, 21), (4, 8, 2, 3, 2, 33), (3, 2, 2, 0, 0, 10),
@@ -669,3 +680,25 @@ def test_no_copy_of_a_loaded_model_under_dynamic_vram(two_devices, monkeypatch):
     said = [r.getMessage() for r in recs]
     assert len(said) == 1 and "cannot be copied for the other GPUs under dynamic VRAM: one GPU" in said[0], said
     assert not _copies(m) and m.cached_patcher_init is None and base.cached_patcher_init is None
+
+
+def test_shares_aligned_to_a_block_of_tokens_give_the_one_device_latent(zoo, monkeypatch):
+    """With every GPU's share a multiple of 5 tokens (Group.align; uneven shares), Wan split over 3 ranks gives the
+    one-device latent, and every share but the last is a multiple of 5."""
+    z, mod, _ = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    monkeypatch.setattr(mod.parallel.group, "ALIGN", 5)
+    seen = []
+    real = mod.parallel.context.RankContext.attention
+
+    def spy(self, *a, **k):
+        seen.append(self.layout.shards)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(mod.parallel.context.RankContext, "attention", spy)
+    out = z.sample(_split(mod, base, 3), case)
+    assert seen and all(all(n % 5 == 0 for _, n in shards[:-1]) for shards in seen)
+    assert len({n for _, n in seen[0]}) > 1  # uneven: the alignment, not an even split that happened to fit
+    assert rel_l1(out, ref) < 1e-5

@@ -6,7 +6,9 @@
 A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``cp`` (the Context Parallel node over every GPU), ``cfg`` (ComfyUI's
 MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of GPUs per cond), ``cp@N`` (Context Parallel with every exchanged
 call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``cp``: the pack's rule), ``cp-flat`` (strided
-shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before); backend ``unpatched``
+shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
+GPU's share of the tokens a multiple of 128, the last one's the rest; modifiers combine: ``cp-flat-a128@2``); backend
+``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
 first (the same weights; ComfyUI's own deep clones need a loader's file, these weights never were one).
@@ -28,6 +30,7 @@ import datetime
 import importlib
 import json
 import os
+import re
 import sys
 import time
 
@@ -82,11 +85,12 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
+MODIFIERS = re.compile(r"-flat|-a\d+")  # a row's exchange settings after its mode (docstring)
 
 
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
-    mode = mode.split("@")[0].removesuffix("-flat")
+    mode = MODIFIERS.sub("", mode.split("@")[0])
     m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend)
     if mode == "1":
         return m
@@ -132,12 +136,14 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
     out, lat = [], {}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
-    rule, pitched = uly.PIPELINE_PARTS, grp.PITCHED
+    rule, pitched, align = uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN
     for row in rows:
         r = {"row": row, "cfg": job.cfg, "steps": job.steps}
         parts = row.split(":", 1)[0].partition("@")[2]
         uly.PIPELINE_PARTS = int(parts) if parts else rule
-        grp.PITCHED = not row.split(":", 1)[0].split("@")[0].endswith("-flat")
+        mods = MODIFIERS.findall(row.split(":", 1)[0].split("@")[0])
+        grp.PITCHED = "-flat" not in mods
+        grp.ALIGN = next((int(m[2:]) for m in mods if m.startswith("-a")), align)
         try:
             m = row_model(pack, cpn, job, extra, row)
             t0 = time.perf_counter()
@@ -158,7 +164,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS, grp.PITCHED = rule, pitched
+        uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN = rule, pitched, align
         torch.cuda.empty_cache()
         out.append(r)
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))

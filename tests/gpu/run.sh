@@ -75,7 +75,8 @@
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds,
-#                  MG_MIN_TOKENS: split shorter sequences than the node does, e.g. 0 for Flux at 1024²)
+#                  MG_MIN_TOKENS: split shorter sequences than the node does, e.g. 0 for Flux at 1024²; rows take the
+#                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
 #   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
