@@ -3,6 +3,9 @@ split over the GPUs, a thread per GPU as the Context Parallel node runs them.
 
     python tests/gpu/cp_exchange.py [--tokens 32760] [--heads 40] [--rounds 20] [--json cp-exchange.json]
 
+Then the block's matrix multiplies on the first GPU for the whole sequence and for a GPU's share (even, and a multiple
+of 128 tokens): whether the share's row count costs more per token.
+
 Rows: the strided shares crossing as 2-D copies (``pitched``, the default) and made contiguous first (``flat``), each
 with the kernel (SDPA, PyTorch's choice) and with no kernel (``exchange``: the kernel's output is its ``v``: the
 exchange and its layout copies alone).  Per row: milliseconds per call on the first GPU (median of ``rounds`` calls,
@@ -57,6 +60,37 @@ def call(G, U, group, lay, shares, local, rounds):
     for t in threads:
         t.join()
     return outs, times, next((e for e in errs if e is not None), None)
+
+
+def gemm_rows(G, tokens: int, n: int, dim: int, rounds: int) -> list:
+    """The block's matrix multiplies (Wan 2.1 14B: q/k/v/o ``dim x dim``, the MLP ``dim x 13824`` and back) on the
+    first GPU for the whole sequence and for one GPU's share, evenly split and with shares a multiple of 128 tokens:
+    milliseconds per block and the ratio of the share to half the whole (cuBLAS picks its kernel by the row count)."""
+    ffn = 13824 if dim == 5120 else 4 * dim
+    shapes = [(dim, dim)] * 4 + [(dim, ffn), (ffn, dim)]
+    ws = [torch.randn(o, i, device="cuda:0", dtype=torch.bfloat16) / i ** 0.5 for i, o in shapes]
+    lengths = {"whole": tokens, "even share": G.split(tokens, n)[0][1], "share of 128s": G.split(tokens, n, 128)[0][1],
+               "last share of 128s": G.split(tokens, n, 128)[-1][1]}
+    out = []
+    for name, m in lengths.items():
+        xs = {i: torch.randn(m, i, device="cuda:0", dtype=torch.bfloat16) for i, _ in shapes}
+        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        times = []
+        for r in range(rounds + 2):
+            t0.record()
+            for (i, _), w in zip(shapes, ws):
+                torch.nn.functional.linear(xs[i], w)
+            t1.record()
+            t1.synchronize()
+            if r >= 2:
+                times.append(t0.elapsed_time(t1))
+        out.append({"rows": name, "tokens": m, "ms_per_block": round(statistics.median(times), 3)})
+    whole = out[0]["ms_per_block"]
+    for row in out[1:]:
+        row["vs_whole_per_token"] = round(row["ms_per_block"] / row["tokens"] / (whole / tokens), 3)
+    for row in out:
+        print("cp-exchange gemm " + json.dumps(row), flush=True)
+    return out
 
 
 def main(argv=None) -> int:
@@ -118,10 +152,12 @@ def main(argv=None) -> int:
         ms.append(t0.elapsed_time(t1))
     del one
     print(f"cp-exchange one GPU, the kernel alone: {statistics.median(ms):.3f} ms", flush=True)
+    gemm = gemm_rows(G, a.tokens, n, a.heads * a.dim, a.rounds)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpus": [torch.cuda.get_device_name(i) for i in range(n)], "tokens": a.tokens,
-                       "heads": a.heads, "one_gpu_ms": round(statistics.median(ms), 3), "rows": rows}, f, indent=1)
+                       "heads": a.heads, "one_gpu_ms": round(statistics.median(ms), 3), "rows": rows,
+                       "gemm": gemm}, f, indent=1)
     return 1 if bad else 0
 
 

@@ -395,7 +395,7 @@ stage_zoo() {
 }
 
 stage_cp-exchange() {
-  timeout 120 $PY tests/gpu/cp_exchange.py --tokens "${CP_TOKENS:-32760}" --json "$OUT/cp-exchange.json" 2>&1 | tail -n 12
+  timeout 150 $PY tests/gpu/cp_exchange.py --tokens "${CP_TOKENS:-32760}" --json "$OUT/cp-exchange.json" 2>&1 | tail -n 16
 }
 
 stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile, fp8, GGUF
