@@ -39,6 +39,7 @@ Exit status 1 when a case fails.
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import logging
 import os
@@ -52,6 +53,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
+sys.path.insert(1, os.path.dirname(HERE))  # tests/: comfyui_support
 
 
 def lora_patches(model, scale: float = 0.02, seed: int = 1) -> dict:
@@ -123,47 +125,6 @@ def save_gguf(sd: dict, path: str, arch: str = "wan") -> None:
     w.close()
 
 
-class _Stand(type):
-    """An empty class whose every attribute is another (PyAV's enums and classes as ComfyUI names them at import)."""
-
-    def __getattr__(cls, name):
-        if name.startswith("__"):
-            raise AttributeError(name)
-        return _Stand(name, (), {})
-
-
-class _NoAv:
-    """Stand-ins for PyAV's modules where it is not installed (``av`` and any ``av.<name>``): any name in them is an
-    empty class (:class:`_Stand`), what ComfyUI's modules need of PyAV at import; using one fails."""
-
-    @staticmethod
-    def find_spec(name, path=None, target=None):
-        import importlib.machinery
-
-        if name == "av" or name.startswith("av."):
-            return importlib.machinery.ModuleSpec(name, _NoAv, is_package=True)
-        return None
-
-    @staticmethod
-    def create_module(spec):
-        import types
-
-        mod = types.ModuleType(spec.name)
-
-        def missing(name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return _Stand(name, (), {})
-
-        mod.__getattr__ = missing
-        mod.__path__ = []
-        return mod
-
-    @staticmethod
-    def exec_module(module):
-        pass
-
-
 def load_gguf(path: str, node_dir: str):
     """``path`` loaded by ComfyUI-GGUF's UnetLoaderGGUF (its checkout ``node_dir`` loaded as ComfyUI loads a custom node),
     the file's folder registered where the loader looks (diffusion_models, which its unet_gguf list follows)."""
@@ -172,10 +133,11 @@ def load_gguf(path: str, node_dir: str):
     import comfy.sd
     import folder_paths
 
-    try:  # ComfyUI's nodes.py imports PyAV (its video types) and the GPU machine has none; nothing here uses it
-        import av  # noqa: F401
-    except ImportError:
-        sys.meta_path.append(_NoAv)
+    if importlib.util.find_spec("av") is None:
+        # ComfyUI's nodes.py imports PyAV (its video types) and the GPU machine has none; nothing here uses it
+        from comfyui_support import AbsentPackage
+
+        sys.meta_path.insert(0, AbsentPackage("av"))
     # ComfyUI's nodes.py, which ComfyUI-GGUF imports too (this repository's nodes/ is earlier on the path)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(comfy.sd.__file__))))
     try:

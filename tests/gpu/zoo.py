@@ -34,46 +34,6 @@ ROOT = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)
 
 
-class _AbsentPackage:
-    """An import finder that answers every ``<name>`` and ``<name>.*`` import with an empty module whose attributes are
-    empty classes (and theirs too): a package ComfyUI imports at start-up but the zoo never calls (PyAV on the GPU
-    machine)."""
-
-    def __init__(self, name: str):
-        self.name = name
-
-    def find_spec(self, fullname, path=None, target=None):
-        import importlib.machinery
-
-        if fullname == self.name or fullname.startswith(self.name + "."):
-            return importlib.machinery.ModuleSpec(fullname, self, is_package=True)
-        return None
-
-    class _Empty(type):
-        """An empty class whose every attribute is another empty class (enum members read at import time)."""
-
-        def __getattr__(cls, name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return type(cls)(name, (), {})
-
-    def create_module(self, spec):
-        import types
-
-        def attr(name):
-            if name.startswith("__"):
-                raise AttributeError(name)
-            return self._Empty(name, (), {})
-
-        mod = types.ModuleType(spec.name)
-        mod.__path__ = []
-        mod.__getattr__ = attr
-        return mod
-
-    def exec_module(self, module):
-        pass
-
-
 def import_comfy(path: str, cpu: bool = False):
     """ComfyUI on the GPU (as comfyui_support.comfy does on the CPU, without --cpu); its ``nodes`` module or None."""
     if not os.path.exists(os.path.join(path, "comfy", "model_base.py")):
@@ -96,7 +56,9 @@ def import_comfy(path: str, cpu: bool = False):
         if importlib.util.find_spec("av") is None:
             # ComfyUI's nodes module imports PyAV for its video types only; a GPU machine without it still runs the
             # ControlNet and style-model cases (which need nodes) with stand-in modules, never called
-            sys.meta_path.insert(0, _AbsentPackage("av"))
+            from comfyui_support import AbsentPackage
+
+            sys.meta_path.insert(0, AbsentPackage("av"))
             print("zoo: PyAV is not installed: stand-in modules let ComfyUI's nodes import", flush=True)
         import utils.install_util  # noqa: F401  (main.py imports it before nodes: comfy/utils.py would shadow it)
 
