@@ -259,9 +259,8 @@ class ForwardWrapper(BoundWrapper):
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         with cp._lock:
             run.forwards += 1
-        compiled = _compiled_per_gpu(cp, run, topts, ranks)
-        why = self.why_not(control, topts, {d for d, _ in ranks}) if compiled is None else \
-            self.why_not(control, {}, {d for d, _ in ranks})
+        compiled = _compiled_per_gpu(cp, run, topts, ranks)  # made for every GPU: no compile wrapper stands in the way
+        why = self.why_not(control, {} if compiled else topts, {d for d, _ in ranks})
         if why:
             cp.say(why, "%s: this forward runs on one GPU: %s", NODE, why)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)

@@ -59,7 +59,7 @@ class RankContext:
         if self.split is not None:  # the same forward again (computed again after a NaN): the same split
             self.layout = self._layout
             return self.split
-        layout = Layout(prefix, tuple(split(tokens, self.size, self.group.align)), suffix)
+        layout = self._split(tokens, prefix, suffix)
         clash = sorted({layout.local_len(r) for r in range(self.size)} & (set(others) | set(whole_queries)))
         if why_not:
             self.why = why_not
@@ -105,12 +105,16 @@ class RankContext:
         to :meth:`start` must hold for this layout too."""
         if not self.split:
             raise RuntimeError("resplit in a forward that does not split")
-        layout = Layout(prefix, tuple(split(tokens, self.size, self.group.align)), suffix)
+        layout = self._split(tokens, prefix, suffix)
         clash = sorted({layout.local_len(r) for r in range(self.size)} & self.others)
         if clash:
             raise ValueError(f"a GPU's share ({clash[0]} tokens) after the resplit is as long as another attention "
                              "sequence of the forward")
         self.layout = layout
+
+    def _split(self, tokens: int, prefix: int, suffix: int) -> Layout:
+        """``tokens`` over the ranks (the group's alignment) beside ``prefix``/``suffix`` tokens held whole."""
+        return Layout(prefix, tuple(split(tokens, self.size, self.group.align)), suffix)
 
     def set_ends(self, prefix: int, suffix: int = 0) -> None:
         """The tokens every rank keeps whole around the split part of the attention sequence, from here on (a model

@@ -27,6 +27,7 @@ rendezvous outside ComfyUI (docs/multi-gpu.md).
 from __future__ import annotations
 
 import contextlib
+import functools
 import threading
 
 import torch
@@ -83,7 +84,6 @@ class Group:
         """Every rank's ``obj`` (plain Python values: flags, layer lists), in rank order."""
         return list(self._post(rank, obj))
 
-    @torch.compiler.disable  # a rendezvous of threads and copies between devices: run as it is, never traced
     def post(self, rank: int, tensors: tuple) -> list:
         """Post ``tensors`` (this rank's, on its device) and wait until every rank posted its own: every rank's posting,
         by rank, for :meth:`puller`."""
@@ -154,13 +154,13 @@ def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
                 dst.copy_(src)
                 stream.wait_stream(send)
                 return
-            if pitched and not (src.is_contiguous() and dst.is_contiguous()):
-                plan = pitched_plan(dst, src)
-                if plan is not None and _memcpy_2d() is not None:
-                    send.wait_stream(stream)  # as PyTorch orders a copy between devices
-                    _copy_2d(dst, src, plan, send)
-                    stream.wait_stream(send)
-                    return
+            memcpy_2d = _memcpy_2d() if pitched and not (src.is_contiguous() and dst.is_contiguous()) else None
+            plan = pitched_plan(dst, src) if memcpy_2d is not None else None
+            if plan is not None:
+                send.wait_stream(stream)  # as PyTorch orders a copy between devices
+                _copy_2d(memcpy_2d, dst, src, plan, send)
+                stream.wait_stream(send)
+                return
             if not src.is_contiguous():
                 src = src.contiguous()
             if dst.is_contiguous():
@@ -187,18 +187,24 @@ def pitched_plan(dst, src):
     """``dst.copy_(src)`` as 2-D copies: ``[(dst_offset, dst_pitch, src_offset, src_pitch, width, height), ...]`` in
     bytes (offsets from each tensor's ``data_ptr()``): ``height`` rows of ``width`` contiguous bytes, each tensor's rows
     its own pitch apart.  None where the copy is not of that form (other dtypes or shapes, a last dimension with a
-    stride, overlapping or broadcast rows, more than :data:`MAX_BLOCKS` blocks)."""
+    stride, overlapping or broadcast rows, more than :data:`MAX_BLOCKS` blocks).  Made once per shape and strides (every
+    layer of a forward copies the same)."""
     if dst.dtype != src.dtype or dst.shape != src.shape or dst.numel() == 0:
         return None
-    es = dst.element_size()
-    dims = [(n, ds, ss) for n, ds, ss in zip(dst.shape, dst.stride(), src.stride()) if n != 1]
+    plan = _plan(tuple(dst.shape), dst.stride(), src.stride(), dst.element_size())
+    return None if plan is None else list(plan)
+
+
+@functools.lru_cache(maxsize=256)
+def _plan(shape: tuple, dst_strides: tuple, src_strides: tuple, es: int):
+    dims = [(n, ds, ss) for n, ds, ss in zip(shape, dst_strides, src_strides) if n != 1]
     width = 1  # elements: the innermost run contiguous in both
     while dims and dims[-1][1] == width and dims[-1][2] == width:
         width *= dims.pop()[0]
     if width == 1 and dims:
         return None
     if not dims:
-        return [(0, width * es, 0, width * es, width * es, 1)]
+        return ((0, width * es, 0, width * es, width * es, 1),)
     out = []
 
     def rows_of(dims):  # the dimensions as one run of rows: (rows, dst pitch, src pitch), or None
@@ -223,7 +229,7 @@ def pitched_plan(dst, src):
         out.append((doff * es, dp * es, soff * es, sp * es, width * es, rows))
         return True
 
-    return out if walk(dims, 0, 0) else None
+    return tuple(out) if walk(dims, 0, 0) else None
 
 
 _MEMCPY_2D = []
@@ -260,11 +266,11 @@ def _memcpy_2d():
 _PEERS = set()  # (source device, destination device) pairs PyTorch has copied between
 
 
-def _copy_2d(dst, src, plan, stream) -> None:
-    """The copies of :func:`pitched_plan` on ``stream`` (CUDA, with unified addressing: either device's memory).  The
-    first time between two devices, one element goes through PyTorch's own copy first: PyTorch then enables the
-    source device's access to the destination's memory (peer access), which the 2-D copy uses."""
-    fn = _memcpy_2d()
+def _copy_2d(fn, dst, src, plan, stream) -> None:
+    """The copies of :func:`pitched_plan` by ``fn`` (:func:`_memcpy_2d`) on ``stream`` (CUDA, with unified addressing:
+    either device's memory).  The first time between two devices, one element goes through PyTorch's own copy first:
+    PyTorch then enables the source device's access to the destination's memory (peer access), which the 2-D copy
+    uses."""
     pair = (src.device, dst.device)
     if pair not in _PEERS:
         torch.empty(1, dtype=src.dtype, device=dst.device).copy_(src.new_zeros(1))

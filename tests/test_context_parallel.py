@@ -655,8 +655,7 @@ def test_torch_compile_gets_each_gpus_copy_compiled(zoo):
 
     assert mine[1](Executor()) == "out" and seen == [compiled]
     assert second.model.diffusion_model is compiled._orig_mod  # put back after the call
-    opts = {**topts}
-    out = cpn.ForwardWrapper.rank_options(opts, None, [], None, mine[1])
+    out = cpn.ForwardWrapper.rank_options(topts, None, [], None, mine[1])
     assert out["wrappers"]["apply_model"][cpn.COMPILE_KEY] == [mine[1]]
     assert topts["wrappers"]["apply_model"][cpn.COMPILE_KEY] == m.wrappers["apply_model"][cpn.COMPILE_KEY]
     # not ComfyUI's wrapper (or no options): None, and the forward stays on one GPU as before
