@@ -182,6 +182,14 @@ class Run:
         self.compile_options = compile_options  # TorchCompileModel's torch.compile options (None: not compiled)
         self.compiled = {}  # id(BaseModel) -> (BaseModel, its TorchCompileModel wrapper): one per GPU's copy
 
+    def patch_models(self, unit) -> list:
+        """The unit's changes to every GPU's model for this run (none under torch.compile: a compiled module would be
+        compiled again for them); the functions that undo them."""
+        if self.compile_options is not None:
+            return []
+        models = {id(m): m for g in self.groups for _, m in g}
+        return [unit.patch_run(m.diffusion_model) for m in models.values()]
+
     def close(self) -> None:
         for w in self.workers.values():
             w.shutdown(wait=True)
@@ -206,10 +214,13 @@ class RunWrapper(BoundWrapper):
         run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                   options.get(COMPILE_OPTIONS)) if groups else None
         prev, cp.run = cp.run, run
+        undo = run.patch_models(cp.unit) if run is not None else []
         try:
             return executor(*args, **kwargs)
         finally:
             cp.run = prev
+            for u in undo:
+                u()
             if run is not None:
                 run.close()
                 if run.forwards:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from .group import Group, split
-from .ulysses import Layout, RowMasks, ulysses
+from .ulysses import Layout, RowMasks, Staged, ulysses
 
 CP_KEY = "patch_attention_context_parallel"
 
@@ -206,3 +206,8 @@ class RankContext:
         mask or None), with the forward's masks over query rows (:meth:`set_masks`)."""
         self.exchanged += 1
         return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask, self.masks)
+
+    def staged(self, heads: int, kv_heads: int) -> Staged:
+        """An exchanged call whose q, k and v the model sends one by one (:class:`~.ulysses.Staged`)."""
+        self.exchanged += 1
+        return Staged(self.group, self.rank, self.layout, heads, kv_heads)

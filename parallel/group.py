@@ -42,12 +42,14 @@ class Group:
     in how many parts an exchanged attention call sends its heads (None: by the sequence's length)."""
 
     def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0,
-                 pitched: bool | None = None, align: int | None = None):
+                 pitched: bool | None = None, align: int | None = None, staged: bool | None = None):
         self.devices = [torch.device(d) for d in devices]
         # strided shares cross between GPUs as 2-D copies (False: made contiguous first; None: PITCHED)
         self.pitched = PITCHED if pitched is None else pitched
         # each rank's share of a split sequence a multiple of this many tokens (but the last's; None: ALIGN)
         self.align = ALIGN if align is None else align
+        # a model's unit may send q, k and v one by one as it makes them (None: STAGED)
+        self.staged = STAGED if staged is None else staged
         self.min_tokens = min_tokens  # a forward with fewer tokens to split runs on the first rank alone
         self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.PIPELINE_PARTS)
         self.size = len(self.devices)
@@ -175,6 +177,10 @@ def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
 # Not measured yet: a share of 16,380 tokens (Wan 2.1 14B 480p on 2 GPUs) made cuBLAS run another, 6 % slower matrix
 # multiply than 32,760 tokens do; 128 might avoid that.
 ALIGN = 1
+
+# A family unit that can send an exchanged call's q, k and v one by one, as the model makes them, does (Wan's
+# self-attention; Group(staged=False) overrides: all three at the attention call).
+STAGED = True
 
 # Strided shares of a tensor cross between GPUs as 2-D copies (Group(pitched=False) overrides: made contiguous first).
 PITCHED = True

@@ -178,7 +178,6 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
                 fill_in(peer, got[peer][0], group.puller(rank, peer, got, recv), part, pbufs)
         arrived.append(recv.record_event() if recv is not None else None)
     del got
-    s0, sc = layout.shards[rank]
     out = None
     for i, (part, event) in enumerate(zip(parts, arrived)):
         if event is not None:
@@ -196,24 +195,94 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
             out = torch.empty(b, q.shape[1], h, dv, dtype=of.dtype, device=dev)
             if recv is not None:
                 recv.wait_stream(compute)  # ``out`` was made on the compute stream
-        back = group.post(rank, (of,))
+        _back(group, rank, layout, kv_heads, g, of, out, recv, i, len(parts))
         del of
-        for peer in range(group.size):
-            (op,) = back[peer][0]
-            pa, pc = kv_heads[peer]
-            pl, pn = split(pc, len(parts))[i]
-            if pn == 0:
-                continue
-            heads = slice(g * (pa + pl), g * (pa + pl + pn))
-            copy = group.puller(rank, peer, back, recv)
-            if sc:
-                copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
-            for src_rows, dst_rows in _ends(p, sfx, full, q.shape[1]):
-                copy(out[:, dst_rows, heads], op[:, src_rows])
     if recv is not None:
         compute.wait_stream(recv)
     return out
 
+
+def _back(group: Group, rank: int, layout: Layout, kv_heads: list, g: int, of, out, recv, part: int = 0,
+          parts: int = 1) -> None:
+    """The kernel's output ``of`` (``[B, L, h, Dv]``: every token, this rank's heads, or part ``part`` of ``parts`` of
+    them) to every rank, and every rank's into this rank's ``out`` (``[B, L_r, H, Dv]``: its tokens, every head)."""
+    p, sfx, full = layout.prefix, layout.suffix, layout.full_len
+    s0, sc = layout.shards[rank]
+    back = group.post(rank, (of,))
+    for peer in range(group.size):
+        (op,) = back[peer][0]
+        pa, pc = kv_heads[peer]
+        pl, pn = split(pc, parts)[part]
+        if pn == 0:
+            continue
+        heads = slice(g * (pa + pl), g * (pa + pl + pn))
+        copy = group.puller(rank, peer, back, recv)
+        if sc:
+            copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
+        for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1]):
+            copy(out[:, dst_rows, heads], op[:, src_rows])
+
+
+class Staged:
+    """One exchanged call whose q, k and v are sent one at a time, as the model makes them: each crosses to the other
+    ranks while the model computes the next, so only the last one's exchange is waited for (:func:`ulysses` sends all
+    three once the call is made).  For calls :func:`ulysses` would serve in one part with no mask and no tokens held
+    whole (:meth:`fits`); the kernel and the way back are :func:`ulysses`'s, and so is the result, bit for bit.
+
+    ``send(q)``, ``send(k)``, ``send(v)`` in that order (``[B, L_r, heads, D]``, any strides), then ``finish(local)``
+    returns ``[B, L_r, H, Dv]`` (``local`` as for :func:`ulysses`).  Every rank makes the same calls in the same order:
+    each send is a rendezvous."""
+
+    def __init__(self, group: Group, rank: int, layout: Layout, heads: int, kv_heads: int):
+        if heads % kv_heads:
+            raise ValueError(f"{heads} query heads do not group over {kv_heads} key/value heads")
+        self.group, self.rank, self.layout = group, rank, layout
+        self.g, self.kv = heads // kv_heads, split(kv_heads, group.size)
+        self.recv = group.receiving(rank)
+        self.bufs = []
+
+    @staticmethod
+    def fits(group: Group, layout: Layout | None, masks=None) -> bool:
+        """Whether an exchanged call over ``layout`` can be staged."""
+        return (layout is not None and not layout.prefix and not layout.suffix and masks is None
+                and (group.pipeline or PIPELINE_PARTS) == 1)
+
+    def send(self, t) -> None:
+        """The next of q, k, v: posted, and every rank's tokens of this rank's heads pulled into a buffer."""
+        g = self.g if not self.bufs else 1  # q: the query heads of this rank's key/value heads
+        a, c = self.kv[self.rank]
+        lay = self.layout
+        buf = torch.empty(t.shape[0], lay.full_len, g * c, t.shape[3], dtype=t.dtype, device=t.device)
+        if self.recv is not None:
+            self.recv.wait_stream(torch.cuda.current_stream(t.device))  # ``buf`` was made on the compute stream
+        got = self.group.post(self.rank, (t,))
+        for peer, (s0, sc) in enumerate(lay.shards):
+            if sc:
+                copy = self.group.puller(self.rank, peer, got, self.recv)
+                copy(buf[:, s0:s0 + sc], got[peer][0][0][:, :sc, g * a:g * (a + c)])
+        self.bufs.append(buf)
+
+    def finish(self, local):
+        """The kernel on every token of this rank's heads, and every rank's tokens back: ``[B, L_r, H, Dv]``."""
+        if len(self.bufs) != 3:
+            raise RuntimeError(f"a staged attention call finished after {len(self.bufs)} of q, k and v were sent")
+        q = self.bufs[0]
+        dev = q.device
+        compute = torch.cuda.current_stream(dev) if self.recv is not None else None
+        if compute is not None:
+            compute.wait_stream(self.recv)
+        # a rank with no heads (more ranks than heads) runs no kernel
+        of = local(*self.bufs) if q.shape[2] else self.bufs[2][:, :, :0]
+        self.bufs = []
+        b, h = q.shape[0], self.g * sum(c for _, c in self.kv)
+        out = torch.empty(b, self.layout.local_len(self.rank), h, of.shape[3], dtype=of.dtype, device=dev)
+        if self.recv is not None:
+            self.recv.wait_stream(compute)  # ``out`` was made on the compute stream
+        _back(self.group, self.rank, self.layout, self.kv, self.g, of, out, self.recv)
+        del of
+        if compute is not None:
+            compute.wait_stream(self.recv)
+        return out
 
 # In how many parts an exchanged call sends its heads (Group(pipeline=N) overrides), each part's exchange overlapping
 # the kernel on the part before. Measured on 2x H100 (NVLink), Wan 2.1 14B, sage_fp8_sm90: one part x1.897 (720p) /

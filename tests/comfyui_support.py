@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import sys
 
@@ -10,6 +11,29 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@contextlib.contextmanager
+def counting_exchanges(mod):
+    """The rank of every attention call exchanged over ranks while inside (a list growing as they come), both ways:
+    made at the attention call (``RankContext.attention``) and sent as the model makes q, k and v
+    (``RankContext.staged``)."""
+    cls = mod.parallel.context.RankContext
+    counts, real = [], (cls.attention, cls.staged)
+
+    def attention(self, *a, **k):
+        counts.append(self.rank)
+        return real[0](self, *a, **k)
+
+    def staged(self, *a, **k):
+        counts.append(self.rank)
+        return real[1](self, *a, **k)
+
+    cls.attention, cls.staged = attention, staged
+    try:
+        yield counts
+    finally:
+        cls.attention, cls.staged = real
 
 
 def find_comfyui() -> str | None:

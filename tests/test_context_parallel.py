@@ -14,6 +14,7 @@ import threading
 
 import pytest
 import torch
+from comfyui_support import counting_exchanges
 from pack import load
 
 P = load()
@@ -295,18 +296,6 @@ def calls_under_patch(zoo, base, case, n, order):
     return m, ov, [dict(ln.config.stats.calls) for ln in ov.lanes()]
 
 
-def _exchanged_calls(mod):
-    """Count the attention calls exchanged over ranks while sampling (patched onto RankContext for the test)."""
-    counts = []
-    real = mod.parallel.context.RankContext.attention
-
-    def counting(self, *a, **k):
-        counts.append(self.rank)
-        return real(self, *a, **k)
-
-    return counts, real, counting
-
-
 def check_split(zoo, name: str, n: int, latent=None, whole=(), case=None, tol: float = 1e-5):
     """Configuration ``name`` of the zoo (``latent``: another latent shape; ``case``: a case of one's own) sampled
     through the Context Parallel node on ``n`` simulated ranks against the same model on one device: the latent equal
@@ -323,12 +312,8 @@ def check_split(zoo, name: str, n: int, latent=None, whole=(), case=None, tol: f
         cls = getattr(sm, name)
     base = z.build(cls, case)
     ref = z.sample(base, case)
-    counts, real, counting = _exchanged_calls(mod)
-    mod.parallel.context.RankContext.attention = counting
-    try:
+    with counting_exchanges(mod) as counts:
         out = z.sample(_split(mod, base, n), case)
-    finally:
-        mod.parallel.context.RankContext.attention = real
     assert torch.isfinite(out).all()
     assert rel_l1(out, ref) < tol, rel_l1(out, ref)
     if n in whole:
@@ -375,9 +360,7 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
     base = z.build(cls, case)
     ref = z.sample(base, case)
     tokens = int(torch.tensor(case.latent[2:]).prod()) // 4  # the (1, 2, 2) patches of the latent: Wan's tokens
-    counts, real, counting = _exchanged_calls(mod)
-    mod.parallel.context.RankContext.attention = counting
-    try:
+    with counting_exchanges(mod) as counts:
         with caplog.at_level("WARNING"):
             out = z.sample(_split(mod, base, 2, min_tokens=tokens + 1), case)
         assert counts == [] and torch.equal(out, ref)
@@ -385,8 +368,6 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
         assert len(said) == 1 and f"{tokens:,} tokens to split, fewer than {tokens + 1:,}" in said[0], said
         out = z.sample(_split(mod, base, 2, min_tokens=tokens), case)
         assert counts and rel_l1(out, ref) < 1e-5
-    finally:
-        mod.parallel.context.RankContext.attention = real
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
     assert cpn.MIN_SPLIT_TOKENS == 16384
 
@@ -405,13 +386,11 @@ def test_torch_compile_under_the_split(zoo):
     ref = z.sample(base, case)
     m = _split(mod, base, 2)
     set_torch_compile_wrapper(m, backend="inductor")
-    counts, real, counting = _exchanged_calls(mod)
-    mod.parallel.context.RankContext.attention = counting
     torch._dynamo.reset()
     try:
-        out = z.sample(m, case)
+        with counting_exchanges(mod) as counts:
+            out = z.sample(m, case)
     finally:
-        mod.parallel.context.RankContext.attention = real
         torch._dynamo.reset()
     assert sorted(set(counts)) == [0, 1] and rel_l1(out, ref) < 1e-5
     fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").ForwardWrapper
@@ -690,14 +669,80 @@ def test_shares_aligned_to_a_block_of_tokens_give_the_one_device_latent(zoo, mon
     ref = z.sample(base, case)
     monkeypatch.setattr(mod.parallel.group, "ALIGN", 5)
     seen = []
-    real = mod.parallel.context.RankContext.attention
+    real = mod.parallel.context.RankContext.staged
 
     def spy(self, *a, **k):
         seen.append(self.layout.shards)
         return real(self, *a, **k)
 
-    monkeypatch.setattr(mod.parallel.context.RankContext, "attention", spy)
+    monkeypatch.setattr(mod.parallel.context.RankContext, "staged", spy)
     out = z.sample(_split(mod, base, 3), case)
     assert seen and all(all(n % 5 == 0 for _, n in shards[:-1]) for shards in seen)
     assert len({n for _, n in seen[0]}) > 1  # uneven: the alignment, not an even split that happened to fit
     assert rel_l1(out, ref) < 1e-5
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_wan_sends_q_k_and_v_as_it_makes_them(zoo, n, monkeypatch):
+    """Split, Wan's self-attention sends q, k and v one by one as it makes them (each crossing while the next is
+    computed): every block's self-attention call on every rank goes that way, the latent is bit for bit the one with all
+    three sent at the attention call (Group.staged off), and after the run the model's modules are as they were."""
+    z, mod, _ = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    dm = base.model.diffusion_model
+    ref = z.sample(base, case)
+    staged = []
+    ctx = mod.parallel.context.RankContext
+    real = ctx.staged
+
+    def spy(self, *a, **k):
+        staged.append(self.rank)
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(ctx, "staged", spy)
+    with counting_exchanges(mod) as counts:
+        out = z.sample(_split(mod, base, n), case)
+    assert len(staged) == len(counts) == n * len(dm.blocks) * case.steps
+    assert not [m for m in dm.modules() if "forward" in m.__dict__]
+    monkeypatch.setattr(mod.parallel.group, "STAGED", False)
+    with counting_exchanges(mod) as counts:
+        at_the_call = z.sample(_split(mod, base, n), case)
+    assert len(counts) == len(staged) == n * len(dm.blocks) * case.steps  # none staged this time
+    assert torch.equal(out, at_the_call) and rel_l1(out, ref) < 1e-5
+
+
+def test_a_staged_call_gives_what_the_call_at_once_gives():
+    """ulysses.Staged (q, k and v sent one by one) against ulysses() on 3 ranks, grouped heads: the same output, bit for
+    bit, on every rank; a rank with no heads runs no kernel; finishing before all three are sent is an error."""
+    g = torch.Generator().manual_seed(3)
+    n, heads, kv_heads, L = 3, 4, 2, 23
+    q, k, v = rand_qkv(g, 2, L, heads, kv_heads, 8)
+    lay = U.shard_layout(L, n)
+    group = G.Group(["cpu"] * n)
+    calls = []
+
+    def local(qf, kf, vf):
+        calls.append(qf.shape[2])
+        return whole(qf, kf, vf)
+
+    def both(r):
+        shares = [rank_rows(t, lay, r) for t in (q, k, v)]
+        at_once = U.ulysses(group, r, lay, *shares, local)
+        call = U.Staged(group, r, lay, heads, kv_heads)
+        for t in shares:
+            call.send(t)
+        return at_once, call.finish(local)
+
+    outs, errs = run_ranks(n, both)
+    assert errs == [None] * n, errs
+    want = whole(q, k, v)
+    for r, (at_once, staged) in enumerate(outs):
+        assert torch.equal(staged, at_once)
+        assert torch.allclose(staged, rank_rows(want, lay, r), atol=1e-5)
+    assert 0 not in calls  # the third rank holds no key/value head: no kernel call for it
+    with pytest.raises(RuntimeError, match="finished after 1 of q, k and v were sent"):
+        call = U.Staged(G.Group(["cpu"]), 0, U.shard_layout(L, 1), heads, kv_heads)
+        call.send(q)
+        call.finish(local)

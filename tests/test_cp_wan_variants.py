@@ -16,7 +16,7 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import _split, calls_under_patch, check_split, rel_l1, run_ranks, whole
+from test_context_parallel import _split, calls_under_patch, check_split, counting_exchanges, rel_l1, run_ranks, whole
 
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI with the zoo's families and the pack loaded
 
@@ -231,14 +231,8 @@ def test_a_model_patch_keeps_vace_forwards_on_one_gpu_and_says_why_once(zoo, mon
     ref_patched = z.sample(patched, case)
     assert torch.equal(ref_patched, ref)
     seen.clear()
-    counts = []
-    real = mod.parallel.context.RankContext.attention
-    mod.parallel.context.RankContext.attention = lambda self, *a, **k: counts.append(1) or real(self, *a, **k)
-    try:
-        with capture("patch_attention") as recs:
-            out = z.sample(_split(mod, patched, 2), case)
-    finally:
-        mod.parallel.context.RankContext.attention = real
+    with counting_exchanges(mod) as counts, capture("patch_attention") as recs:
+        out = z.sample(_split(mod, patched, 2), case)
     assert rel_l1(out, ref) < 1e-5
     assert counts == [] and set(seen) == {case.latent[2] * 16}  # the patch saw whole sequences only
     said = [r.getMessage() for r in recs if "ran on one GPU" in r.getMessage()]

@@ -14,7 +14,9 @@ Interface (:class:`Unit`):
 - ``block_keys(dm)``: the block-replace keys of one forward, in order;
 - ``block(key, args, inner, ctx)``: one block under a split forward: ``args`` as ComfyUI passes them to the patch,
   ``inner(args)`` runs the block (or the patch that was there before), ``ctx`` the rank's
-  :class:`~..context.RankContext`; returns what ``inner`` returns.
+  :class:`~..context.RankContext`; returns what ``inner`` returns;
+- ``patch_run(dm)`` (optional): changes to the diffusion model's modules for one sampling run, on every GPU's copy
+  (e.g. Wan's self-attention sending q and k while it computes v); returns the function that undoes them.
 
 A model without a unit samples on one GPU (the node says so once per run, naming the model).  Adding a family is one
 module here that defines ``UNITS = [SomeUnit()]``.
@@ -35,6 +37,9 @@ class Unit:
 
     def block(self, key, args: dict, inner, ctx):
         raise NotImplementedError
+
+    def patch_run(self, dm):
+        return lambda: None
 
 
 def _units() -> list[Unit]:

@@ -11,8 +11,14 @@ every GPU keeps whole.  Everything else in a block is per token.
 
 from __future__ import annotations
 
+import functools
+import sys
+import weakref
+
 import torch
 
+from ..context import CP_KEY
+from ..ulysses import Staged
 from . import Unit
 
 
@@ -41,6 +47,25 @@ class WanUnit(Unit):
             out = {**out, "img": ctx.gather(out["img"])}
         return out
 
+    def patch_run(self, dm):
+        """Each of ``dm``'s self-attention modules (ComfyUI's ``WanSelfAttention``, its forward not replaced) sends its
+        q and k to the other GPUs as soon as it makes them, while it makes the next (:func:`staged_forward`), for one
+        sampling run; the function returned puts them back."""
+        cls = getattr(sys.modules.get("comfy.ldm.wan.model"), "WanSelfAttention", None)
+        patched = []
+        for m in dm.modules() if cls is not None else ():
+            if type(m).forward is cls.forward and "forward" not in m.__dict__:
+                fwd = _STAGED.get(m)
+                if fwd is None:  # one per module: the same object each run (torch.compile guards on it)
+                    fwd = _STAGED[m] = functools.partial(staged_forward, m)
+                m.forward = fwd
+                patched.append(m)
+
+        def restore():
+            for m in patched:
+                m.__dict__.pop("forward", None)
+        return restore
+
     @staticmethod
     def context_lengths(total: int) -> set:
         """The key lengths of cross-attention: the whole context, or (image to video) its CLIP image tokens (257 per
@@ -59,6 +84,37 @@ class WanUnit(Unit):
             if patches.get(name):
                 return f"a model patch ({name}) that needs the whole sequence"
         return ""
+
+
+_STAGED = weakref.WeakKeyDictionary()
+
+
+def staged_forward(attn, x, freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
+    """``WanSelfAttention.forward`` (ComfyUI's, computed by its own modules and functions in the same order), with q, k
+    and v each sent to the other GPUs as it is made (:class:`~..ulysses.Staged`): q crosses while k is computed, k
+    while v is.  Bit for bit what the forward gives with the exchange made at the attention call; any call it cannot
+    stage (not a split self-attention call, a mask, tokens held whole, an ``attn1_patch``, under torch.compile) runs
+    ComfyUI's forward as it is."""
+    ctx = transformer_options.get(CP_KEY)
+    s = x.shape[1]
+    if (ctx is None or not ctx.group.staged or not ctx.exchanges(s, s) or not Staged.fits(ctx.group, ctx.layout, ctx.masks)
+            or transformer_options.get("patches", {}).get("attn1_patch") or torch.compiler.is_compiling()):
+        return type(attn).forward(attn, x, freqs, transformer_options=transformer_options)
+    model = sys.modules[type(attn).__module__]  # ComfyUI's Wan module: its rope and attention functions
+    b, n, d = x.shape[0], attn.num_heads, attn.head_dim
+    call = ctx.staged(n, n)
+    call.send(model.apply_rope1(attn.norm_q(attn.q(x)).view(b, s, n, d), freqs))
+    call.send(model.apply_rope1(attn.norm_k(attn.k(x)).view(b, s, n, d), freqs))
+    call.send(attn.v(x).view(b, s, n, d))
+    full = ctx.layout.full_len
+
+    def local(qf, kf, vf):  # every token, this GPU's heads: not a split call, so it goes to the kernel as it is
+        h = qf.shape[2]
+        out = model.optimized_attention(qf.view(b, full, h * d), kf.view(b, full, h * d), vf.view(b, full, h * d),
+                                        heads=h, transformer_options=transformer_options)
+        return out.view(b, full, h, -1)
+
+    return attn.o(call.finish(local).view(b, s, -1))
 
 
 def modulation_shard(vec: torch.Tensor, ctx, tokens: torch.Tensor | None = None) -> torch.Tensor:

@@ -3,8 +3,8 @@ split over the GPUs, a thread per GPU as the Context Parallel node runs them.
 
     python tests/gpu/cp_exchange.py [--tokens 32760] [--heads 40] [--rounds 20] [--json cp-exchange.json]
 
-Then the block's matrix multiplies on the first GPU for the whole sequence and for a GPU's share (even, and a multiple
-of 128 tokens): whether the share's row count costs more per token.
+Then the block's matrix multiplies on the first GPU for the whole sequence and for every GPU's share, the shares a
+multiple of 1 to 512 tokens: whether a share's row count costs more per token (cuBLAS picks its kernel by it).
 
 Rows: the strided shares crossing as 2-D copies (``pitched``, the default) and made contiguous first (``flat``), each
 with the kernel (SDPA, PyTorch's choice) and with no kernel (``exchange``: the kernel's output is its ``v``: the
@@ -62,32 +62,40 @@ def call(G, U, group, lay, shares, local, rounds):
     return outs, times, next((e for e in errs if e is not None), None)
 
 
-def gemm_rows(G, tokens: int, n: int, dim: int, rounds: int) -> list:
-    """The block's matrix multiplies (Wan 2.1 14B: q/k/v/o ``dim x dim``, the MLP ``dim x 13824`` and back) on the
-    first GPU for the whole sequence and for one GPU's share, evenly split and with shares a multiple of 128 tokens:
-    milliseconds per block and the ratio of the share to half the whole (cuBLAS picks its kernel by the row count)."""
+def gemm_rows(G, tokens: int, n: int, dim: int, rounds: int, aligns=(1, 8, 16, 32, 64, 128, 256, 512)) -> list:
+    """The block's matrix multiplies (Wan 2.1 14B: q/k/v/o ``dim x dim``, the MLP ``dim x 13824`` and back, each with a
+    bias) on the first GPU for the whole sequence and for every GPU's share with shares a multiple of each of
+    ``aligns`` tokens: milliseconds per block, and the slowest share against the whole per token (cuBLAS picks its
+    kernel by the row count; the step waits for the slowest GPU)."""
     ffn = 13824 if dim == 5120 else 4 * dim
     shapes = [(dim, dim)] * 4 + [(dim, ffn), (ffn, dim)]
     ws = [torch.randn(o, i, device="cuda:0", dtype=torch.bfloat16) / i ** 0.5 for i, o in shapes]
-    lengths = {"whole": tokens, "even share": G.split(tokens, n)[0][1], "share of 128s": G.split(tokens, n, 128)[0][1],
-               "last share of 128s": G.split(tokens, n, 128)[-1][1]}
-    out = []
-    for name, m in lengths.items():
-        xs = {i: torch.randn(m, i, device="cuda:0", dtype=torch.bfloat16) for i, _ in shapes}
-        t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for r in range(rounds + 2):
-            t0.record()
-            for (i, _), w in zip(shapes, ws):
-                torch.nn.functional.linear(xs[i], w)
-            t1.record()
-            t1.synchronize()
-            if r >= 2:
-                times.append(t0.elapsed_time(t1))
-        out.append({"rows": name, "tokens": m, "ms_per_block": round(statistics.median(times), 3)})
-    whole = out[0]["ms_per_block"]
-    for row in out[1:]:
-        row["vs_whole_per_token"] = round(row["ms_per_block"] / row["tokens"] / (whole / tokens), 3)
+    bs = [torch.randn(o, device="cuda:0", dtype=torch.bfloat16) for _, o in shapes]  # with a bias, as the model's
+    xs = {i: torch.randn(1, tokens, i, device="cuda:0", dtype=torch.bfloat16) for i, _ in shapes}
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    ms = {}
+
+    def block_ms(m):
+        if m not in ms:
+            times = []
+            for r in range(rounds + 2):
+                t0.record()
+                for (i, _), w, b in zip(shapes, ws, bs):
+                    torch.nn.functional.linear(xs[i][:, :m], w, b)
+                t1.record()
+                t1.synchronize()
+                if r >= 2:
+                    times.append(t0.elapsed_time(t1))
+            ms[m] = statistics.median(times)
+        return ms[m]
+
+    whole = block_ms(tokens)
+    out = [{"align": "whole", "tokens": [tokens], "ms_per_block": round(whole, 3)}]
+    for align in aligns:
+        shares = [c for _, c in G.split(tokens, n, align)]
+        slow = max(block_ms(m) for m in shares)
+        out.append({"align": align, "tokens": shares, "ms_per_block": [round(block_ms(m), 3) for m in shares],
+                    "slowest_vs_whole_per_token": round(slow / (whole / n), 3)})
     for row in out:
         print("cp-exchange gemm " + json.dumps(row), flush=True)
     return out
