@@ -133,19 +133,6 @@ def _copy(dst, src):
     dst.copy_(src)
 
 
-def copy_on(stream, dst, src) -> None:
-    """``dst.copy_(src)`` on ``stream`` (both on its device; ``src`` ready there), as one 2-D copy of the copy engine
-    where it is a block of rows (:func:`pitched_plan`), else PyTorch's copy.  ``src``'s memory is kept until it is done."""
-    src.record_stream(stream)
-    fn = _memcpy_2d() if not (src.is_contiguous() and dst.is_contiguous()) else None
-    plan = pitched_plan(dst, src) if fn is not None else None
-    with torch.cuda.stream(stream):
-        if plan is not None:
-            _copy_2d(fn, dst, src, plan, stream)
-        else:
-            dst.copy_(src)
-
-
 def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
     """``copy(dst, src)`` of a peer's tensor on the peer's send stream, after the peer's ``ready`` event, with
     ``stream`` (this rank's) waiting for it.

@@ -31,7 +31,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .group import Group, copy_on, split
+from .group import Group, split
 
 
 @dataclass(frozen=True)
@@ -257,13 +257,9 @@ class Staged:
             self.recv.wait_stream(torch.cuda.current_stream(t.device))  # ``buf`` was made on the compute stream
         got = self.group.post(self.rank, (t,))
         for peer, (s0, sc) in enumerate(lay.shards):
-            if not sc:
-                continue
-            dst, src = buf[:, s0:s0 + sc], got[peer][0][0][:, :sc, g * a:g * (a + c)]
-            if peer == self.rank and self.recv is not None and OWN_ASIDE:
-                copy_on(self.recv, dst, src)  # beside the compute stream, which goes on to the next projection
-            else:
-                self.group.puller(self.rank, peer, got, self.recv)(dst, src)
+            if sc:
+                copy = self.group.puller(self.rank, peer, got, self.recv)
+                copy(buf[:, s0:s0 + sc], got[peer][0][0][:, :sc, g * a:g * (a + c)])
         self.bufs.append(buf)
 
     def finish(self, local):
@@ -293,10 +289,6 @@ class Staged:
 # x1.829 (480p), two x1.883 / x1.827, four x1.867 / x1.804: over NVLink the exchange is too small a share (2-3 %) for the
 # overlap to pay for smaller kernels and a rendezvous per part. Kept for links where it is not (PCIe).
 PIPELINE_PARTS = 1
-
-# A staged call copies the rank's own share of q, k and v into the kernel's buffers on its receive stream, beside the
-# model's next projection (False: on the compute stream, as ulysses() does).
-OWN_ASIDE = True
 
 
 def mask_problem(mask, local_keys: int, full: int, heads: int) -> str | None:

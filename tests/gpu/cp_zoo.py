@@ -157,9 +157,13 @@ def interleave(names: list, family: dict) -> list:
 def watching(mod):
     """While sampling: the rank of every exchanged attention call, the node's count of split forwards, and why a
     forward ran on one GPU (what the node logged)."""
-    from comfyui_support import counting_exchanges
-
+    ctx_cls = mod.parallel.context.RankContext
+    real = ctx_cls.attention
     seen = {"ranks": [], "forwards": None, "whole": []}
+
+    def attention(self, *a, **k):
+        seen["ranks"].append(self.rank)
+        return real(self, *a, **k)
 
     class Catch(logging.Handler):
         def emit(self, record):
@@ -174,10 +178,11 @@ def watching(mod):
     log.addHandler(handler)
     log.setLevel(logging.INFO)  # the count of split forwards is an INFO record
     log.propagate = False  # what it says is on the case's line
+    ctx_cls.attention = attention
     try:
-        with counting_exchanges(mod) as seen["ranks"]:
-            yield seen
+        yield seen
     finally:
+        ctx_cls.attention = real
         log.removeHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
