@@ -157,13 +157,9 @@ def interleave(names: list, family: dict) -> list:
 def watching(mod):
     """While sampling: the rank of every exchanged attention call, the node's count of split forwards, and why a
     forward ran on one GPU (what the node logged)."""
-    ctx_cls = mod.parallel.context.RankContext
-    real = ctx_cls.attention
-    seen = {"ranks": [], "forwards": None, "whole": []}
+    from comfyui_support import counting_exchanges
 
-    def attention(self, *a, **k):
-        seen["ranks"].append(self.rank)
-        return real(self, *a, **k)
+    seen = {"ranks": [], "forwards": None, "whole": []}
 
     class Catch(logging.Handler):
         def emit(self, record):
@@ -178,11 +174,10 @@ def watching(mod):
     log.addHandler(handler)
     log.setLevel(logging.INFO)  # the count of split forwards is an INFO record
     log.propagate = False  # what it says is on the case's line
-    ctx_cls.attention = attention
     try:
-        yield seen
+        with counting_exchanges(mod) as seen["ranks"]:
+            yield seen
     finally:
-        ctx_cls.attention = real
         log.removeHandler(handler)
         log.setLevel(level)
         log.propagate = propagate
