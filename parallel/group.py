@@ -174,8 +174,9 @@ def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
 
 
 # Each rank's share of a split sequence a multiple of this many tokens (the last rank's: the rest). 1: an even split.
-# Not measured yet: a share of 16,380 tokens (Wan 2.1 14B 480p on 2 GPUs) made cuBLAS run another, 6 % slower matrix
-# multiply than 32,760 tokens do; 128 might avoid that.
+# Measured on 2x H200 (Wan 2.1 14B block's matrix multiplies, cuBLAS picks its kernel by the row count): even shares
+# cost 3.3 % (480p: 16,380 rows) and 0.1 % (720p) more per token than the whole sequence; shares a multiple of 8 to 512
+# tokens 3-9 % more. Kept as a setting to measure other GPUs and libraries with (tests/gpu/cp_exchange.py).
 ALIGN = 1
 
 # A family unit that can send an exchanged call's q, k and v one by one, as the model makes them, does (Wan's
