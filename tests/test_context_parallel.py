@@ -746,3 +746,29 @@ def test_a_staged_call_gives_what_the_call_at_once_gives():
         call = U.Staged(G.Group(["cpu"]), 0, U.shard_layout(L, 1), heads, kv_heads)
         call.send(q)
         call.finish(local)
+
+
+@pytest.mark.comfyui
+def test_wan_self_attention_replaced_by_another_node_is_left_to_it(zoo, monkeypatch):
+    """Where something else replaced ComfyUI's WanSelfAttention.forward (another custom node), the split leaves it in
+    charge: its forward runs on every call, q, k and v go at the attention call, and the latent is the one-device one."""
+    import comfy.ldm.wan.model as wan
+
+    z, mod, _ = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    original, ran = wan.WanSelfAttention.forward, []
+
+    def theirs(self, *a, **k):
+        ran.append(1)
+        return original(self, *a, **k)
+
+    monkeypatch.setattr(wan.WanSelfAttention, "forward", theirs)
+    staged, real = [], mod.parallel.context.RankContext.staged
+    monkeypatch.setattr(mod.parallel.context.RankContext, "staged",
+                        lambda self, *a, **k: staged.append(1) or real(self, *a, **k))
+    with counting_exchanges(mod) as counts:
+        out = z.sample(_split(mod, base, 2), case)
+    assert staged == [] and counts and len(ran) >= len(counts)
+    assert rel_l1(out, ref) < 1e-5

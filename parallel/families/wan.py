@@ -52,6 +52,8 @@ class WanUnit(Unit):
         q and k to the other GPUs as soon as it makes them, while it makes the next (:func:`staged_forward`), for one
         sampling run; the function returned puts them back."""
         cls = getattr(sys.modules.get("comfy.ldm.wan.model"), "WanSelfAttention", None)
+        if cls is not None and cls.forward.__module__ != "comfy.ldm.wan.model":
+            cls = None  # its forward replaced by someone else (another custom node): leave it to that
         patched = []
         for m in dm.modules() if cls is not None else ():
             if type(m).forward is cls.forward and "forward" not in m.__dict__:
