@@ -182,13 +182,13 @@ class Run:
         self.compile_options = compile_options  # TorchCompileModel's torch.compile options (None: not compiled)
         self.compiled = {}  # id(BaseModel) -> (BaseModel, its TorchCompileModel wrapper): one per GPU's copy
 
-    def patch_models(self, unit) -> list:
+    def patch_models(self, unit, undo: list) -> None:
         """The unit's changes to every GPU's model for this run (none under torch.compile: a compiled module would be
-        compiled again for them); the functions that undo them."""
+        compiled again for them), each one's undoing appended to ``undo`` as it is made."""
         if self.compile_options is not None:
-            return []
-        models = {id(m): m for g in self.groups for _, m in g}
-        return [unit.patch_run(m.diffusion_model) for m in models.values()]
+            return
+        for m in {id(m): m for g in self.groups for _, m in g}.values():
+            undo.append(unit.patch_run(m.diffusion_model))
 
     def close(self) -> None:
         for w in self.workers.values():
@@ -214,8 +214,10 @@ class RunWrapper(BoundWrapper):
         run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
                   options.get(COMPILE_OPTIONS)) if groups else None
         prev, cp.run = cp.run, run
-        undo = run.patch_models(cp.unit) if run is not None else []
+        undo = []
         try:
+            if run is not None:
+                run.patch_models(cp.unit, undo)
             return executor(*args, **kwargs)
         finally:
             cp.run = prev
