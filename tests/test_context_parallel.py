@@ -9,6 +9,8 @@ one device: the final latent equal within fp32 rounding, and every forward split
 
 from __future__ import annotations
 
+import functools
+import gc
 import importlib
 import threading
 
@@ -706,6 +708,9 @@ def test_wan_sends_q_k_and_v_as_it_makes_them(zoo, n, monkeypatch):
         out = z.sample(_split(mod, base, n), case)
     assert len(staged) == len(counts) == n * len(dm.blocks) * case.steps
     assert not [m for m in dm.modules() if "forward" in m.__dict__]
+    attn = dm.blocks[0].self_attn  # and nothing keeps a bound forward of it (which would keep the model alive)
+    assert not [p for t in gc.get_referrers(attn) if isinstance(t, tuple) for p in gc.get_referrers(t)
+                if isinstance(p, functools.partial)]
     monkeypatch.setattr(mod.parallel.group, "STAGED", False)
     with counting_exchanges(mod) as counts:
         at_the_call = z.sample(_split(mod, base, n), case)

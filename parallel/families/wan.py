@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import sys
-import weakref
 
 import torch
 
@@ -57,15 +56,13 @@ class WanUnit(Unit):
         patched = []
         for m in dm.modules() if cls is not None else ():
             if type(m).forward is cls.forward and "forward" not in m.__dict__:
-                fwd = _STAGED.get(m)
-                if fwd is None:  # one per module: the same object each run (torch.compile guards on it)
-                    fwd = _STAGED[m] = functools.partial(staged_forward, m)
-                m.forward = fwd
-                patched.append(m)
+                m.forward = functools.partial(staged_forward, m)
+                patched.append((m, m.forward))
 
         def restore():
-            for m in patched:
-                m.__dict__.pop("forward", None)
+            for m, fwd in patched:
+                if m.__dict__.get("forward") is fwd:
+                    del m.forward
         return restore
 
     @staticmethod
@@ -86,9 +83,6 @@ class WanUnit(Unit):
             if patches.get(name):
                 return f"a model patch ({name}) that needs the whole sequence"
         return ""
-
-
-_STAGED = weakref.WeakKeyDictionary()
 
 
 def staged_forward(attn, x, freqs, transformer_options={}):  # noqa: B006 - ComfyUI's signature
