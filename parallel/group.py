@@ -39,7 +39,7 @@ class GroupAborted(RuntimeError):
 
 class Group:
     """``len(devices)`` ranks of one forward (a device may repeat: ranks simulated on the CPU in tests).  ``pipeline``:
-    in how many parts an exchanged attention call sends its heads (None: by the sequence's length)."""
+    in how many parts an exchanged attention call sends its heads (None: ulysses.PIPELINE_PARTS)."""
 
     def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0,
                  pitched: bool | None = None, align: int | None = None, staged: bool | None = None):
@@ -191,15 +191,14 @@ MAX_BLOCKS = 8
 
 
 def pitched_plan(dst, src):
-    """``dst.copy_(src)`` as 2-D copies: ``[(dst_offset, dst_pitch, src_offset, src_pitch, width, height), ...]`` in
+    """``dst.copy_(src)`` as 2-D copies: ``((dst_offset, dst_pitch, src_offset, src_pitch, width, height), ...)`` in
     bytes (offsets from each tensor's ``data_ptr()``): ``height`` rows of ``width`` contiguous bytes, each tensor's rows
     its own pitch apart.  None where the copy is not of that form (other dtypes or shapes, a last dimension with a
     stride, overlapping or broadcast rows, more than :data:`MAX_BLOCKS` blocks).  Made once per shape and strides (every
     layer of a forward copies the same)."""
     if dst.dtype != src.dtype or dst.shape != src.shape or dst.numel() == 0:
         return None
-    plan = _plan(tuple(dst.shape), dst.stride(), src.stride(), dst.element_size())
-    return None if plan is None else list(plan)
+    return _plan(tuple(dst.shape), dst.stride(), src.stride(), dst.element_size())
 
 
 @functools.lru_cache(maxsize=256)

@@ -284,6 +284,7 @@ class Staged:
             compute.wait_stream(self.recv)
         return out
 
+
 # In how many parts an exchanged call sends its heads (Group(pipeline=N) overrides), each part's exchange overlapping
 # the kernel on the part before. Measured on 2x H100 (NVLink), Wan 2.1 14B, sage_fp8_sm90: one part x1.897 (720p) /
 # x1.829 (480p), two x1.883 / x1.827, four x1.867 / x1.804: over NVLink the exchange is too small a share (2-3 %) for the
