@@ -124,7 +124,7 @@ def test_whole_rows_are_one_block_and_other_copies_are_refused():
     many = torch.randn(G.MAX_BLOCKS + 1, 10, 4, 4)
     assert G.pitched_plan(torch.empty(G.MAX_BLOCKS + 1, 5, 2, 4), many[:, 2:7, :2]) is None
     flat = torch.randn(64)
-    assert G.pitched_plan(torch.empty(64), flat) == [(0, 256, 0, 256, 256, 1)]
+    assert G.pitched_plan(torch.empty(64), flat) == ((0, 256, 0, 256, 256, 1),)
 
 
 @pytest.mark.parametrize("total,parts,align,want", [
