@@ -3,10 +3,12 @@ split over the GPUs, a thread per GPU as the Context Parallel node runs them.
 
     python tests/gpu/cp_exchange.py [--tokens 32760] [--heads 40] [--rounds 20] [--json cp-exchange.json]
 
-Then the block's matrix multiplies on the first GPU for the whole sequence and for every GPU's share, the shares a
+Then a GPU's own share of the heads copied within the GPU (element by element, as 8-byte words, as a 2-D copy), and
+the block's matrix multiplies on the first GPU for the whole sequence and for every GPU's share, the shares a
 multiple of 1 to 512 tokens: whether a share's row count costs more per token (cuBLAS picks its kernel by it).
 
-Rows: the strided shares crossing as 2-D copies (``pitched``, the default) and made contiguous first (``flat``), each
+Rows: the strided shares crossing as 2-D copies (``pitched``, the default; also with a GPU's own share copied element by
+element, ``own share narrow``) and made contiguous first (``flat``), each
 with the kernel (SDPA, PyTorch's choice) and with no kernel (``exchange``: the kernel's output is its ``v``: the
 exchange and its layout copies alone).  Per row: milliseconds per call on the first GPU (median of ``rounds`` calls,
 CUDA events, every GPU calling at once), and whether every GPU's output is bit-identical to the same attention on one
@@ -101,6 +103,41 @@ def gemm_rows(G, tokens: int, n: int, dim: int, rounds: int, aligns=(1, 8, 16, 3
     return out
 
 
+def own_share_rows(G, tokens: int, n: int, heads: int, dim: int, rounds: int) -> list:
+    """A GPU's own share of the heads copied within the first GPU (``[1, tokens / n, heads, dim]`` bf16, its first
+    ``heads / n`` heads, into a contiguous buffer, and an output of that shape back into those heads): PyTorch's
+    ``copy_`` (element by element), as 8-byte words (the exchange's way, ``_copy_words``) and as a 2-D copy of the copy
+    engine on the same device; milliseconds per copy (median) and GB/s read and written."""
+    rows_n, h = tokens // n, heads // n
+    big = torch.randn(1, rows_n, heads, dim, device="cuda:0", dtype=torch.bfloat16)
+    share = torch.empty(1, rows_n, h, dim, device="cuda:0", dtype=torch.bfloat16)
+    t0, t1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    fn = G._memcpy_2d()
+    stream = torch.cuda.current_stream(0)
+    ways = {"copy_": lambda d, s: d.copy_(s), "words": G._copy_words,
+            "memcpy2d": (lambda d, s: G._copy_2d(fn, d, s, G.pitched_plan(d, s), stream)) if fn else None}
+    out = []
+    for way, f in ways.items():
+        if f is None:
+            continue
+        for direction, (dst, src) in (("out", (share, big[:, :, :h])), ("back", (big[:, :, :h], share))):
+            times = []
+            for r in range(rounds + 2):
+                t0.record()
+                f(dst, src)
+                t1.record()
+                t1.synchronize()
+                if r >= 2:
+                    times.append(t0.elapsed_time(t1))
+            assert torch.equal(big[:, :, :h], share)
+            ms = statistics.median(times)
+            row = {"way": way, "direction": direction, "ms": round(ms, 4),
+                   "gb_per_s": round(2 * share.numel() * 2 / ms / 1e6, 1)}
+            out.append(row)
+            print("cp-exchange own-share " + json.dumps(row), flush=True)
+    return out
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=32760)
@@ -135,10 +172,10 @@ def main(argv=None) -> int:
     rows, bad = [], 0
     print(f"cp-exchange: {n} GPUs ({torch.cuda.get_device_name(0)}), q/k/v [1, {a.tokens}, {a.heads}, {a.dim}] bf16, "
           f"2-D copies available: {G._memcpy_2d() is not None}", flush=True)
-    for pitched in (True, False):
+    for pitched, words in ((True, True), (True, False), (False, True)):
         for name, local in (("kernel", kernel), ("exchange", nothing)):
-            row = {"copies": "pitched" if pitched else "flat", "row": name}
-            outs, times, err = call(G, U, G.Group(devs, pitched=pitched), lay, shares, local, a.rounds)
+            row = {"copies": ("pitched" if pitched else "flat") + ("" if words else ", own share narrow"), "row": name}
+            outs, times, err = call(G, U, G.Group(devs, pitched=pitched, words=words), lay, shares, local, a.rounds)
             if err is not None:
                 row["error"] = repr(err)[:300]
                 bad += 1
@@ -160,12 +197,13 @@ def main(argv=None) -> int:
         ms.append(t0.elapsed_time(t1))
     del one
     print(f"cp-exchange one GPU, the kernel alone: {statistics.median(ms):.3f} ms", flush=True)
+    own = own_share_rows(G, a.tokens, n, a.heads, a.dim, a.rounds)
     gemm = gemm_rows(G, a.tokens, n, a.heads * a.dim, a.rounds)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"gpus": [torch.cuda.get_device_name(i) for i in range(n)], "tokens": a.tokens,
                        "heads": a.heads, "one_gpu_ms": round(statistics.median(ms), 3), "rows": rows,
-                       "gemm": gemm}, f, indent=1)
+                       "own_share": own, "gemm": gemm}, f, indent=1)
     return 1 if bad else 0
 
 

@@ -8,7 +8,8 @@ MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of
 call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``cp``: the pack's rule), ``cp-flat`` (strided
 shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
-at the attention call, not one by one as the model makes them; modifiers combine: ``cp-flat-a128@2``); backend
+at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
+element by element, not as 8-byte words; modifiers combine: ``cp-flat-a128@2``); backend
 ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
@@ -86,7 +87,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-a\d+")  # a row's exchange settings after its mode (docstring)
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+")  # a row's exchange settings after its mode (docstring)
 
 
 def row_model(pack, cpn, job, extra, row):
@@ -137,7 +138,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
     out, lat = [], {}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
-    rule, pitched, align, staged = uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED
+    rule, pitched, align, staged, words = uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS
     for row in rows:
         r = {"row": row, "cfg": job.cfg, "steps": job.steps}
         parts = row.split(":", 1)[0].partition("@")[2]
@@ -145,6 +146,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
         mods = MODIFIERS.findall(row.split(":", 1)[0].split("@")[0])
         grp.PITCHED = "-flat" not in mods
         grp.STAGED = "-unstaged" not in mods
+        grp.WORDS = "-narrow" not in mods
         grp.ALIGN = next((int(m[2:]) for m in mods if m.startswith("-a")), align)
         try:
             m = row_model(pack, cpn, job, extra, row)
@@ -166,7 +168,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED = rule, pitched, align, staged
+        uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS = rule, pitched, align, staged, words
         torch.cuda.empty_cache()
         out.append(r)
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
