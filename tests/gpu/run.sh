@@ -79,6 +79,8 @@
 #                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
 #   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
+#   multigpu-table the table of docs/multi-gpu.md in one call (~7 min): Wan 14B 480p and 720p at CFG 1, Wan 1.3B at CFG 1
+#                  and CFG 5 (CFG Split and Context Parallel), each row against the same backend on one GPU
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
@@ -366,6 +368,16 @@ stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute c
   MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=${MG14_LIMIT:-320} MG_ROWS=${MG14_ROWS_720P:-$MG14_ROWS} stage_multigpu
   MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=${MG14_LIMIT_480P:-200} MG_ROWS=${MG14_ROWS_480P:-$MG14_ROWS} \
     MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
+}
+stage_multigpu-table() {  # the table of docs/multi-gpu.md in one call: Wan 14B 480p and 720p, 1.3B at CFG 1 and CFG 5
+  MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=160 \
+    MG_ROWS=1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90,1:auto,cp:auto stage_multigpu
+  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=230 MG_ROWS=1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90 \
+    stage_multigpu
+  MG_PRESET=wan-1.3b MG_STEPS=3 MG_LIMIT=90 \
+    MG_ROWS=1:unpatched,1:auto_exact,1:sage_fp8_sm90,1:auto,cp:unpatched,cp:auto_exact,cp:sage_fp8_sm90,cp:auto stage_multigpu
+  MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=90 \
+    MG_ROWS=1:unpatched,1:sage_fp8_sm90,cfg:unpatched,cfg:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 stage_multigpu
 }
 stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (Wan 1.3B, CFG 5), Wan 14B 480p profiled
   MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 MG_MIN_TOKENS=0 \
