@@ -3,7 +3,8 @@
     python tests/gpu/multigpu.py --preset wan-1.3b --cfg 1 --steps 3 \
         --rows 1:unpatched,1:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 --json mg.json --md mg.md
 
-A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``cp`` (the Context Parallel node over every GPU), ``cfg`` (ComfyUI's
+A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``last`` (one GPU, the machine's last: is it as fast as the
+first?), ``cp`` (the Context Parallel node over every GPU), ``cfg`` (ComfyUI's
 MultiGPU CFG Split), ``cp-cfg`` (Context Parallel with its cfg_split: a group of GPUs per cond), ``cp@N`` (Context Parallel with every exchanged
 call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``cp``: the pack's rule), ``cp-flat`` (strided
 shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
@@ -93,6 +94,8 @@ MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+")  # a row's exchange set
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
     mode = MODIFIERS.sub("", mode.split("@")[0])
+    if mode == "last":  # one GPU, the machine's last (its copy of the weights): how fast that GPU is alone
+        return extra[-1] if backend == "unpatched" else pack.nodes.patch.patch_model(extra[-1], backend)
     m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend)
     if mode == "1":
         return m
@@ -123,7 +126,8 @@ def rel_l1(a, b) -> float:
 
 
 def profile_step(e2e, m, job) -> str:
-    """One step under torch.profiler, both GPUs: the top device operations by time (a table)."""
+    """One step under torch.profiler, both GPUs: the top device operations by time (a table), then where each GPU
+    idles (:func:`device_gaps`)."""
     import dataclasses
 
     from torch.profiler import ProfilerActivity, profile
@@ -131,7 +135,46 @@ def profile_step(e2e, m, job) -> str:
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         e2e._sample(m, dataclasses.replace(job, steps=1), 1)
         torch.cuda.synchronize()
-    return prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60)
+    return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60) + "\n"
+            + device_gaps(prof))
+
+
+def device_gaps(prof, top: int = 10) -> str:
+    """Per GPU: the span of its device work in the profiled step, how long no kernel ran (copies between GPUs run on
+    copy engines beside the kernels: left out), the idle time by gap length, and the longest gaps with the kernels
+    around them."""
+    from torch.autograd import DeviceType
+
+    by_dev = {}
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower() and "memset" not in e.name.lower():
+            by_dev.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end, e.name))
+    lines = []
+    for dev, evs in sorted(by_dev.items()):
+        evs.sort()
+        first, end, prev, gaps = evs[0][0], evs[0][0], "", []
+        for s, e, name in evs:
+            if s > end:
+                gaps.append((s - end, end - first, prev, name))
+            if e > end:
+                end, prev = e, name
+        idle = sum(g[0] for g in gaps)
+        kinds = {"matmul": 0.0, "attention": 0.0, "other": 0.0}
+        for st, e, name in evs:
+            low = name.lower()
+            k = "matmul" if ("nvjet" in low or "gemm" in low or "cutlass" in low) else \
+                "attention" if ("attn" in low or "sage" in low or "fmha" in low or "flash" in low) else "other"
+            kinds[k] += e - st
+        bins = {"<10 us": 0.0, "10-100 us": 0.0, "0.1-1 ms": 0.0, ">1 ms": 0.0}
+        for g, *_ in gaps:
+            k = "<10 us" if g < 10 else "10-100 us" if g < 100 else "0.1-1 ms" if g < 1000 else ">1 ms"
+            bins[k] += g
+        lines.append(f"GPU {dev}: kernels span {(end - first) / 1e3:.1f} ms, none running {idle / 1e3:.1f} ms in "
+                     f"{len(gaps)} gaps; by gap length (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in bins.items())
+                     + "; kernel time (ms): " + ", ".join(f"{k} {v / 1e3:.1f}" for k, v in kinds.items()))
+        for g, at, before, after in sorted(gaps, reverse=True)[:top]:
+            lines.append(f"  {g / 1e3:.3f} ms at {at / 1e3:.1f} ms, after {before[:60]!r}, before {after[:60]!r}")
+    return "\n".join(lines)
 
 
 def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
@@ -159,6 +202,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
             latent, dt, whole = e2e._timed_sample(m, job)
             if row in profile_rows:
                 r["profile"] = profile_step(e2e, m, job)
+                print(f"{row}, one step profiled:\n" + r["profile"].split("\nGPU ", 1)[-1].join(["GPU ", ""]), flush=True)
             r.update(s_per_step=round(dt, 4), s_per_step_whole=round(whole, 4), peak_gib=peaks(),
                      finite=bool(torch.isfinite(latent).all()), counted=counted(pack, m))
             lat[row] = latent.float().cpu()
