@@ -79,8 +79,9 @@
 #                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
 #   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
-#   multigpu-table the table of docs/multi-gpu.md in one call (~7 min): Wan 14B 480p and 720p at CFG 1, Wan 1.3B at CFG 1
-#                  and CFG 5 (CFG Split and Context Parallel), each row against the same backend on one GPU
+#   multigpu-table the table of docs/multi-gpu.md in one call (~8 min): Wan 14B 480p and 720p at CFG 1 (also one GPU on
+#                  the machine's last GPU), Wan 1.3B at CFG 1 and CFG 5 (CFG Split and Context Parallel), each row against
+#                  the same backend on one GPU
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
@@ -370,10 +371,11 @@ stage_multigpu-wan14() {  # Wan 2.1 14B, CFG 1: 720p, then 480p (one 10-minute c
     MG_PROFILE=${MG14_PROFILE:-} stage_multigpu
 }
 stage_multigpu-table() {  # the table of docs/multi-gpu.md in one call: Wan 14B 480p and 720p, 1.3B at CFG 1 and CFG 5
-  MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=160 \
-    MG_ROWS=1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90,1:auto,cp:auto stage_multigpu
-  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=230 MG_ROWS=1:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp:sage_fp8_sm90 \
+  MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=200 \
+    MG_ROWS=1:auto_exact,last:auto_exact,cp:auto_exact,1:sage_fp8_sm90,last:sage_fp8_sm90,cp:sage_fp8_sm90,1:auto,cp:auto \
     stage_multigpu
+  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=320 \
+    MG_ROWS=1:auto_exact,last:auto_exact,cp:auto_exact,1:sage_fp8_sm90,last:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
   MG_PRESET=wan-1.3b MG_STEPS=3 MG_LIMIT=90 \
     MG_ROWS=1:unpatched,1:auto_exact,1:sage_fp8_sm90,1:auto,cp:unpatched,cp:auto_exact,cp:sage_fp8_sm90,cp:auto stage_multigpu
   MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=90 \
