@@ -141,23 +141,21 @@ def _copy_words(dst, src):
     (:func:`_words`): a rank's own share of the heads (each token's row of them contiguous, the rows a pitch apart) is
     strided, and PyTorch copies a strided tensor element by element; as words, a bf16 share moves in a quarter of the
     elements.  The same bytes land either way."""
-    if dst.dtype == src.dtype and dst.shape == src.shape and dst.element_size() < 8 \
-            and not (dst.is_contiguous() and src.is_contiguous()):
-        dw, sw = _words(dst), _words(src)
-        if dw is not None and sw is not None:
-            dw.copy_(sw)
-            return
-    dst.copy_(src)
+    if dst.dtype == src.dtype and _words(dst.shape, dst.stride(), dst.storage_offset(), dst.element_size()) \
+            and dst.shape == src.shape and _words(src.shape, src.stride(), src.storage_offset(), src.element_size()):
+        dst.view(torch.int64).copy_(src.view(torch.int64))
+    else:
+        dst.copy_(src)
 
 
-def _words(t):
-    """``t`` viewed as 8-byte words along its last dimension (None where its last dimension is strided or a row, a
-    stride or its offset is not a whole number of words)."""
-    es = t.element_size()
-    if t.ndim == 0 or t.stride(-1) != 1 or (t.shape[-1] * es) % 8 or (t.storage_offset() * es) % 8 \
-            or any((st * es) % 8 for st, n in zip(t.stride()[:-1], t.shape[:-1]) if n > 1):
-        return None
-    return t.view(torch.int64)
+@functools.lru_cache(maxsize=256)
+def _words(shape: tuple, stride: tuple, offset: int, es: int) -> bool:
+    """Whether a strided tensor of that shape, strides, storage offset and element size can be viewed as 8-byte words
+    along its last dimension (its last dimension contiguous, and every row, stride and the offset whole words), and its
+    elements are smaller than a word.  Made once per layout (every layer of a forward copies the same)."""
+    if not shape or stride[-1] != 1 or es >= 8 or (shape[-1] * es) % 8 or (offset * es) % 8:
+        return False
+    return not any((st * es) % 8 for st, n in zip(stride[:-1], shape[:-1]) if n > 1)
 
 
 def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
