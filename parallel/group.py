@@ -151,11 +151,12 @@ def _copy_words(dst, src):
 @functools.lru_cache(maxsize=256)
 def _words(shape: tuple, stride: tuple, offset: int, es: int) -> bool:
     """Whether a strided tensor of that shape, strides, storage offset and element size can be viewed as 8-byte words
-    along its last dimension (its last dimension contiguous, and every row, stride and the offset whole words), and its
-    elements are smaller than a word.  Made once per layout (every layer of a forward copies the same)."""
+    along its last dimension (its last dimension contiguous; every row, every other stride, a dimension of one's too, and
+    the offset whole words) and its elements are smaller than a word.  Made once per layout (every layer of a forward
+    copies the same)."""
     if not shape or stride[-1] != 1 or es >= 8 or (shape[-1] * es) % 8 or (offset * es) % 8:
         return False
-    return not any((st * es) % 8 for st, n in zip(stride[:-1], shape[:-1]) if n > 1)
+    return not any((st * es) % 8 for st in stride[:-1])  # every stride, as Tensor.view(dtype) asks
 
 
 def _puller(send, ready, stream, same_device: bool, pitched: bool = True):

@@ -152,6 +152,11 @@ def test_a_ranks_own_share_is_copied_as_words_bit_for_bit(dtype):
     G._copy_words(d2, odd[:, :, 4:9])
     assert torch.equal(d2, odd[:, :, 4:9])
     assert not words(big[:, :, 4:9, 1:9])  # an offset of one element
+    mask = torch.arange(100).to(dtype).as_strided((1, 1, 8), (53, 8, 1), 8)  # an odd stride on a dimension of one
+    assert not words(mask)
+    m2 = torch.empty(1, 1, 8, dtype=dtype)
+    G._copy_words(m2, mask)
+    assert torch.equal(m2, mask)
     assert G.Group(["cpu", "cpu"]).puller(0, 0, [((), None, None)] * 2) is G._copy_words
     assert G.Group(["cpu", "cpu"], words=False).puller(0, 0, [((), None, None)] * 2) is G._copy
 
