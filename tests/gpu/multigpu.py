@@ -1,6 +1,6 @@
 """Several GPUs of one machine: context parallelism and MultiGPU CFG Split, against the same backend on one GPU.
 
-    python tests/gpu/multigpu.py --preset wan-1.3b --cfg 1 --steps 3 \
+    python tests/gpu/multigpu.py --preset wan-1.3b --cfg 1 --steps 3 [--rounds 3] \
         --rows 1:unpatched,1:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 --json mg.json --md mg.md
 
 A row is ``<mode>:<backend>``: mode ``1`` (one GPU), ``last`` (one GPU, the machine's last: is it as fast as the
@@ -16,7 +16,8 @@ or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied befor
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
 first (the same weights; ComfyUI's own deep clones need a loader's file, these weights never were one).
 Per row: seconds per step (median between the sampler's step callbacks, after a one-step warm-up run that loads,
-tunes ``auto`` and compiles nothing), the whole run per step, the ratio to the same backend on one GPU, the final
+tunes ``auto`` and compiles nothing), the whole run per step, the ratio to the same backend on one GPU (and, where the
+table has a ``last:`` row of that backend, to the slower of the two single GPUs: a split step goes at its pace), the final
 latent's relative L1 against the same backend on one GPU and against unpatched on one GPU, peak memory per GPU, and
 what Patch Attention counted (every GPU's lanes).
 
@@ -34,6 +35,7 @@ import importlib
 import json
 import os
 import re
+import statistics
 import sys
 import time
 
@@ -177,13 +179,18 @@ def device_gaps(prof, top: int = 10) -> str:
     return "\n".join(lines)
 
 
-def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
-    out, lat = [], {}
+def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int = 1):
+    """Every row in turn, ``rounds`` times over (the rows interleaved: a machine's drift falls on every row alike);
+    a row's s/step is the median over the rounds, its latent and profile from the first."""
+    out, lat = {row: {"row": row, "cfg": job.cfg, "steps": job.steps} for row in rows}, {}
+    times = {row: ([], []) for row in rows}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
     rule, pitched, align, staged, words = uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS
-    for row in rows:
-        r = {"row": row, "cfg": job.cfg, "steps": job.steps}
+    for rnd, row in ((i, row) for i in range(rounds) for row in rows):
+        r = out[row]
+        if "error" in r:
+            continue
         parts = row.split(":", 1)[0].partition("@")[2]
         uly.PIPELINE_PARTS = int(parts) if parts else rule
         mods = MODIFIERS.findall(row.split(":", 1)[0].split("@")[0])
@@ -200,12 +207,18 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
             latent, dt, whole = e2e._timed_sample(m, job)
-            if row in profile_rows:
+            if row in profile_rows and rnd == 0:
                 r["profile"] = profile_step(e2e, m, job)
                 print(f"{row}, one step profiled:\n" + r["profile"].split("\nGPU ", 1)[-1].join(["GPU ", ""]), flush=True)
-            r.update(s_per_step=round(dt, 4), s_per_step_whole=round(whole, 4), peak_gib=peaks(),
-                     finite=bool(torch.isfinite(latent).all()), counted=counted(pack, m))
-            lat[row] = latent.float().cpu()
+            times[row][0].append(dt)
+            times[row][1].append(whole)
+            r.update(s_per_step=round(statistics.median(times[row][0]), 4),
+                     s_per_step_whole=round(statistics.median(times[row][1]), 4))
+            if rounds > 1:
+                r["s_per_step_rounds"] = [round(t, 4) for t in times[row][0]]
+            if rnd == 0:
+                r.update(peak_gib=peaks(), finite=bool(torch.isfinite(latent).all()), counted=counted(pack, m))
+                lat[row] = latent.float().cpu()
             del m
         except Exception as e:  # a row's failure is a row of the table
             import traceback
@@ -214,13 +227,16 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=()):
             r["trace"] = traceback.format_exc()[-3000:]
         uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS = rule, pitched, align, staged, words
         torch.cuda.empty_cache()
-        out.append(r)
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
+    out = list(out.values())
     for r in out:
         if "s_per_step" not in r:
             continue
         mode, backend = r["row"].split(":", 1)
         one = next((x for x in out if x["row"] == f"1:{backend}" and "s_per_step" in x), None)
+        last = next((x for x in out if x["row"] == f"last:{backend}" and "s_per_step" in x), None)
+        if one is not None and last is not None:  # a split step goes at the slower GPU's pace
+            r["vs_slower_gpu"] = round(max(one["s_per_step"], last["s_per_step"]) / r["s_per_step"], 3)
         if one is not None:
             r["vs_1gpu"] = round(one["s_per_step"] / r["s_per_step"], 3)
             r["whole_vs_1gpu"] = round(one["s_per_step_whole"] / r["s_per_step_whole"], 3)
@@ -317,13 +333,15 @@ def diagnose(pack, e2e, job, extra, backend, say):
 def render(meta, rows) -> str:
     lines = [f"{meta['gpus']} · torch {meta['torch']} · ComfyUI {meta['comfyui']} · {meta['date']} · {meta['preset']}, "
              f"CFG {meta['cfg']}, {meta['steps']} euler steps after a 1-step warm-up, random bf16 weights", "",
-             "| row | s/step | whole run s/step | vs 1 GPU (same backend) | latent rel-L1 vs 1 GPU | vs unpatched 1 GPU | peak GiB per GPU |",
-             "|---|---|---|---|---|---|---|"]
+             "| row | s/step | whole run s/step | vs 1 GPU (same backend) | vs the slower GPU alone | latent rel-L1 vs 1 GPU | "
+             "vs unpatched 1 GPU | peak GiB per GPU |",
+             "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
-            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | |")
+            lines.append(f"| {r['row']} | error: {r['error'][:120]} | | | | | | |")
             continue
         lines.append(f"| {r['row']} | {r['s_per_step']:.4f} | {r['s_per_step_whole']:.4f} | {r.get('vs_1gpu', '-')} | "
+                     f"{r.get('vs_slower_gpu', '-')} | "
                      f"{r.get('rel_l1_vs_1gpu', float('nan')):.2e} | {r.get('rel_l1_vs_unpatched_1gpu', float('nan')):.2e} | "
                      f"{' / '.join(str(p) for p in r['peak_gib'])} |")
     return "\n".join(lines) + "\n"
@@ -337,6 +355,7 @@ def main(argv=None):
     ap.add_argument("--rows", default="1:unpatched,cp:unpatched")
     ap.add_argument("--diagnose", default="", help="comma-separated backends to diagnose (CFG > 1)")
     ap.add_argument("--profile", default="", help="comma-separated rows to profile one step of (in --json)")
+    ap.add_argument("--rounds", type=int, default=1, help="every row this many times, interleaved; s/step: the median")
     ap.add_argument("--min-tokens", type=int, default=None,
                     help="split forwards of at least this many tokens (default: the node's MIN_SPLIT_TOKENS; 0: all)")
     ap.add_argument("--json"), ap.add_argument("--md")
@@ -370,7 +389,7 @@ def main(argv=None):
         res["diagnose"].append(diagnose(pack, e2e, job, extra, b, say))
         save()
     rows = [r for r in a.rows.split(",") if r and r != "none"]
-    res["rows"] = run_rows(pack, e2e, cpn, job, extra, rows, say, [x for x in a.profile.split(",") if x])
+    res["rows"] = run_rows(pack, e2e, cpn, job, extra, rows, say, [x for x in a.profile.split(",") if x], a.rounds)
     save()
     print(render(meta, res["rows"]))
 

@@ -74,6 +74,7 @@
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
+#                  MG_ROUNDS: every row that many times, interleaved, the median s/step;
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds,
 #                  MG_MIN_TOKENS: split shorter sequences than the node does, e.g. 0 for Flux at 1024²; rows take the
 #                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
@@ -360,7 +361,7 @@ MG_ROWS_DEFAULT=1:unpatched,1:auto_exact,1:sage_fp8_sm90,1:auto,cp:unpatched,cp:
 stage_multigpu() {
   local p=${MG_PRESET:-wan-1.3b} c=${MG_CFG:-1}
   timeout "${MG_LIMIT:-540}" $PY tests/gpu/multigpu.py --preset "$p" --cfg "$c" --steps "${MG_STEPS:-3}" \
-    --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" --profile "${MG_PROFILE:-}" \
+    --rows "${MG_ROWS:-$MG_ROWS_DEFAULT}" --diagnose "${MG_DIAGNOSE:-}" --profile "${MG_PROFILE:-}" --rounds "${MG_ROUNDS:-1}" \
     ${MG_MIN_TOKENS:+--min-tokens "$MG_MIN_TOKENS"} \
     --json "$OUT/multigpu-$p-cfg$c.json" --md "$OUT/multigpu-$p-cfg$c.md" 2>&1 | grep -v "it/s\]" | tail -n 60
 }
