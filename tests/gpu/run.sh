@@ -74,7 +74,7 @@
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
-#                  MG_ROUNDS: every row that many times, interleaved, the median s/step;
+#                  MG_ROUNDS: every row that many times, interleaved, the median s/step,
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds,
 #                  MG_MIN_TOKENS: split shorter sequences than the node does, e.g. 0 for Flux at 1024²; rows take the
 #                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
