@@ -373,6 +373,28 @@ def test_a_split_forward_gives_the_one_device_latent(zoo, name, n):
 
 @pytest.mark.comfyui
 @pytest.mark.parametrize("order", ["patch-then-split", "split-then-patch"])
+def test_a_split_model_is_freed_once_the_graph_drops_it(zoo, order):
+    """Nothing of the node or of Patch Attention keeps a model alive after a sampling run: once the graph drops the
+    model and ComfyUI unloads it, its weights are freed (each GPU's copy would otherwise stay for the process)."""
+    import weakref
+
+    import comfy.model_management as mm
+
+    z, mod, _ = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    model = weakref.ref(base.model)
+    m, _ = split_under_patch(mod, base, 2, order)
+    z.sample(m, case)
+    del m, base
+    mm.unload_all_models()
+    mm.cleanup_models()
+    gc.collect()
+    assert model() is None, [type(o).__name__ for o in gc.get_referrers(model())][:8]
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("order", ["patch-then-split", "split-then-patch"])
 def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
     z, mod, mappings = zoo
     cls, case = _case(z, "WAN21_T2V")
