@@ -21,15 +21,13 @@ def counting_exchanges(mod):
     cls = mod.parallel.context.RankContext
     counts, real = [], (cls.attention, cls.staged)
 
-    def attention(self, *a, **k):
-        counts.append(self.rank)
-        return real[0](self, *a, **k)
+    def counted(method):
+        def call(self, *a, **k):
+            counts.append(self.rank)
+            return method(self, *a, **k)
+        return call
 
-    def staged(self, *a, **k):
-        counts.append(self.rank)
-        return real[1](self, *a, **k)
-
-    cls.attention, cls.staged = attention, staged
+    cls.attention, cls.staged = (counted(m) for m in real)
     try:
         yield counts
     finally:
