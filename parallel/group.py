@@ -15,13 +15,9 @@ beside its compute. The posted tensors are recorded on the send stream (``record
 before the copies out of them are done. No rank waits for another rank's GPU work on the host: the barrier only waits
 until every rank has *enqueued* its part.
 
-A rendezvous has two halves: a rank *offers* its tensors for the next round without waiting (:meth:`Group.offer`) and
-*collects* every rank's offers of a round (:meth:`Group.collect`, waiting until all have offered).  Between the two it
-does what needs no other rank (copies of its own share, the next projection), so its GPU has work queued while it
-waits and the slower rank's thread catches up.  A rank collects every round it offered, in order, at most two rounds
-behind; offers stay referenced for four rounds (the slots a rank writes again only once every rank has collected them).
-An error in one rank aborts the rendezvous, so the others stop with :class:`GroupAborted` instead of waiting for ever;
-the forward then reports the first rank's error.
+Posted tensors stay referenced until the round after next (two slots, alternating).  An error in one rank aborts the
+barrier, so the others stop with :class:`GroupAborted` instead of waiting for ever; the forward then reports the first
+rank's error.
 
 Why threads and not processes: ComfyUI already keeps a copy of the model per device in its own process (its MultiGPU
 deep clones, run by one worker thread per device); a process per GPU would load every model once more and need a
@@ -47,7 +43,7 @@ class Group:
 
     def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0,
                  pitched: bool | None = None, align: int | None = None, staged: bool | None = None,
-                 words: bool | None = None, defer: bool | None = None):
+                 words: bool | None = None):
         self.devices = [torch.device(d) for d in devices]
         # strided shares cross between GPUs as 2-D copies (False: made contiguous first; None: PITCHED)
         self.pitched = PITCHED if pitched is None else pitched
@@ -57,54 +53,34 @@ class Group:
         self.staged = STAGED if staged is None else staged
         # a rank's own strided share copied as 8-byte words where its rows allow (None: WORDS)
         self.words = WORDS if words is None else words
-        # a rank copies its own share before it waits for the others, and Wan's q and k are collected one send later
-        # (None: DEFER; False: every exchange offers and collects at once)
-        self.defer = DEFER if defer is None else defer
         self.min_tokens = min_tokens  # a forward with fewer tokens to split runs on the first rank alone
         self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.PIPELINE_PARTS)
         self.size = len(self.devices)
-        self.timeout = timeout
-        self._cond = threading.Condition()
-        self._slots = tuple([None] * self.size for _ in range(SLOTS))
-        self._round = [0] * self.size  # per rank: the next round it offers in
-        self._offered = [0] * self.size  # per rank: how many rounds it has offered in (read by the others)
+        self._barrier = threading.Barrier(self.size, timeout=timeout)
+        self._slots = ([None] * self.size, [None] * self.size)
+        self._round = [0] * self.size
         self._send: list = [None] * self.size  # per rank: the stream peers' copies out of its tensors run on
         self._recv: list = [None] * self.size  # per rank: the stream its pipelined attention receives on
         self.error: BaseException | None = None
 
     # ------------------------------------------------------------------ the rendezvous
 
-    def _offer(self, rank: int, item) -> int:
-        """Post ``item`` for this rank in its next round, without waiting; the round."""
-        r = self._round[rank]
-        self._round[rank] = r + 1
-        self._slots[r % SLOTS][rank] = item
-        with self._cond:
-            self._offered[rank] = r + 1
-            self._cond.notify_all()
-        return r
-
-    def _collect(self, rank: int, r: int) -> list:
-        """Wait until every rank posted in round ``r``; the posted items by rank."""
-        if min(self._offered) <= r or self.error is not None:
-            with self._cond:
-                done = self._cond.wait_for(lambda: self.error is not None or min(self._offered) > r, self.timeout)
-            if self.error is None and not done:
-                self.abort(TimeoutError(f"rank {rank} waited {self.timeout:g} s for the other ranks"))
-            if self.error is not None:
-                raise GroupAborted(f"rank {rank}: another rank of this forward failed ({self.error!r})")
-        return list(self._slots[r % SLOTS])
-
     def _post(self, rank: int, item) -> list:
-        """Post ``item`` for this rank and wait until every rank posted its own: the posted items by rank."""
-        return self._collect(rank, self._offer(rank, item))
+        """Post ``item`` for this rank and wait until every rank posted its own; the posted items by rank."""
+        slot = self._slots[self._round[rank] & 1]
+        self._round[rank] += 1
+        slot[rank] = item
+        try:
+            self._barrier.wait()
+        except threading.BrokenBarrierError:
+            raise GroupAborted(f"rank {rank}: another rank of this forward failed ({self.error!r})") from None
+        return slot
 
     def abort(self, error: BaseException) -> None:
         """Stop every rank waiting (or about to wait) at an exchange of this forward."""
         if self.error is None:
             self.error = error
-        with self._cond:
-            self._cond.notify_all()
+        self._barrier.abort()
 
     # ------------------------------------------------------------------ exchanges
 
@@ -116,38 +92,23 @@ class Group:
     def post(self, rank: int, tensors: tuple) -> list:
         """Post ``tensors`` (this rank's, on its device) and wait until every rank posted its own: every rank's posting,
         by rank, for :meth:`puller`."""
-        return self._collect(rank, self.offer(rank, tensors))
-
-    def offer(self, rank: int, tensors: tuple) -> int:
-        """:meth:`post`'s first half: post ``tensors`` without waiting; the round, for :meth:`collect`."""
         device = self.devices[rank]
         if device.type != "cuda":
-            return self._offer(rank, (tuple(tensors), None, None))
+            return list(self._post(rank, (tuple(tensors), None, None)))
         send = self._stream(self._send, rank)
         ready = torch.cuda.Event()
         ready.record(torch.cuda.current_stream(device))
         for t in tensors:
             if t.device == device:
                 t.record_stream(send)
-        return self._offer(rank, (tuple(tensors), ready, send))
-
-    def collect(self, rank: int, r: int) -> list:
-        """:meth:`post`'s second half: wait until every rank offered in round ``r`` (this rank's rounds collected in
-        order, at most two behind its offers); every rank's posting, by rank, for :meth:`puller`."""
-        return self._collect(rank, r)
-
-    @property
-    def own_copy(self):
-        """``copy(dst, src)`` within a rank's device (its own share): on its current stream, as 8-byte words where the
-        tensors allow (:func:`_copy_words`)."""
-        return _copy_words if self.words else _copy
+        return list(self._post(rank, (tuple(tensors), ready, send)))
 
     def puller(self, rank: int, peer: int, posted: list, stream=None):
         """``copy(dst, src)``: a copy of ``peer``'s posted tensor ``src`` (or a view of it) into ``dst`` on this rank's
         device, ordered before this rank's work on ``stream`` (default: its current stream) from here on."""
         _, ready, send = posted[peer]
         if peer == rank or send is None:
-            return self.own_copy
+            return _copy_words if self.words else _copy
         stream = stream or torch.cuda.current_stream(self.devices[rank])
         return _puller(send, ready, stream, self.devices[peer] == self.devices[rank], self.pitched)
 
@@ -248,15 +209,6 @@ ALIGN = 1
 # A family unit that can send an exchanged call's q, k and v one by one, as the model makes them, does (Wan's
 # self-attention; Group(staged=False) overrides: all three at the attention call).
 STAGED = True
-
-# A rank copies its own share of an exchange before it waits for the other ranks, and Wan's staged q and k are
-# collected one send later, so its GPU has that work queued while it waits (Group(defer=False) overrides: every
-# exchange offers and collects at once, own share after the wait in rank order).
-DEFER = True
-
-# Rounds of offers kept (Group._slots): a rank collects at most two rounds behind its offers, so a slot is written again
-# only after every rank collected it.
-SLOTS = 4
 
 # A rank's own strided share of a tensor (within its device) is copied as 8-byte words where its rows allow
 # (Group(words=False) overrides: element by element, PyTorch's copy of a strided tensor).

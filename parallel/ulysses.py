@@ -170,17 +170,12 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
                 if mask is not None:
                     copy(pbufs[3][..., dst_rows], mask_cols(mask, src_rows))
 
-    first, early = group.offer(rank, posted), group.defer
-    for part, pbufs in zip(parts, bufs):  # this rank's own share needs no other rank: before waiting for them
-        if early and part[1]:
-            fill_in(rank, posted, group.own_copy, part, pbufs)
-    got = group.collect(rank, first)
+    got = group.post(rank, posted)
     arrived = []
     for part, pbufs in zip(parts, bufs):
         if part[1]:
             for peer in range(group.size):
-                if peer != rank or not early:
-                    fill_in(peer, got[peer][0], group.puller(rank, peer, got, recv), part, pbufs)
+                fill_in(peer, got[peer][0], group.puller(rank, peer, got, recv), part, pbufs)
         arrived.append(recv.record_event() if recv is not None else None)
     del got
     out = None
@@ -213,25 +208,19 @@ def _back(group: Group, rank: int, layout: Layout, kv_heads: list, g: int, of, o
     them) to every rank, and every rank's into this rank's ``out`` (``[B, L_r, H, Dv]``: its tokens, every head)."""
     p, sfx, full = layout.prefix, layout.suffix, layout.full_len
     s0, sc = layout.shards[rank]
-    first = group.offer(rank, (of,))
-
-    def fill(peer, op, copy):
+    back = group.post(rank, (of,))
+    for peer in range(group.size):
+        (op,) = back[peer][0]
         pa, pc = kv_heads[peer]
         pl, pn = split(pc, parts)[part]
         if pn == 0:
-            return
+            continue
         heads = slice(g * (pa + pl), g * (pa + pl + pn))
+        copy = group.puller(rank, peer, back, recv)
         if sc:
             copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
         for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1]):
             copy(out[:, dst_rows, heads], op[:, src_rows])
-
-    if group.defer:  # this rank's own heads need no other rank: before waiting for them
-        fill(rank, of, group.own_copy)
-    back = group.collect(rank, first)
-    for peer in range(group.size):
-        if peer != rank or not group.defer:
-            fill(peer, back[peer][0][0], group.puller(rank, peer, back, recv))
 
 
 class Staged:
@@ -251,7 +240,6 @@ class Staged:
         self.g, self.kv = heads // kv_heads, split(kv_heads, group.size)
         self.recv = group.receiving(rank)
         self.bufs = []
-        self._waiting = None  # (round, buffer, heads per key/value head) of the last send not yet collected
 
     @staticmethod
     def fits(group: Group, layout: Layout | None, masks=None) -> bool:
@@ -260,44 +248,24 @@ class Staged:
                 and (group.pipeline or PIPELINE_PARTS) == 1)
 
     def send(self, t) -> None:
-        """The next of q, k, v: posted; this rank's own tokens of its heads copied into a buffer, and every other
-        rank's pulled into it, at once or (``group.defer``) at the next send, so this rank's next projection is
-        queued before it waits for the others."""
+        """The next of q, k, v: posted, and every rank's tokens of this rank's heads pulled into a buffer."""
         g = self.g if not self.bufs else 1  # q: the query heads of this rank's key/value heads
         a, c = self.kv[self.rank]
         lay = self.layout
         buf = torch.empty(t.shape[0], lay.full_len, g * c, t.shape[3], dtype=t.dtype, device=t.device)
         if self.recv is not None:
             self.recv.wait_stream(torch.cuda.current_stream(t.device))  # ``buf`` was made on the compute stream
-        r = self.group.offer(self.rank, (t,))
-        if self.group.defer:
-            s0, sc = lay.shards[self.rank]
+        got = self.group.post(self.rank, (t,))
+        for peer, (s0, sc) in enumerate(lay.shards):
             if sc:
-                self.group.own_copy(buf[:, s0:s0 + sc], t[:, :sc, g * a:g * (a + c)])
-            if self._waiting is not None:
-                self._pull(*self._waiting)
-            self._waiting = (r, buf, g)
-        else:
-            self._pull(r, buf, g, own=True)
-        self.bufs.append(buf)
-
-    def _pull(self, r: int, buf, g: int, own: bool = False) -> None:
-        """Every other rank's tokens of this rank's heads (``own``: this rank's too), posted in round ``r``, into
-        ``buf``."""
-        a, c = self.kv[self.rank]
-        got = self.group.collect(self.rank, r)
-        for peer, (s0, sc) in enumerate(self.layout.shards):
-            if sc and (own or peer != self.rank):
                 copy = self.group.puller(self.rank, peer, got, self.recv)
                 copy(buf[:, s0:s0 + sc], got[peer][0][0][:, :sc, g * a:g * (a + c)])
+        self.bufs.append(buf)
 
     def finish(self, local):
         """The kernel on every token of this rank's heads, and every rank's tokens back: ``[B, L_r, H, Dv]``."""
         if len(self.bufs) != 3:
             raise RuntimeError(f"a staged attention call finished after {len(self.bufs)} of q, k and v were sent")
-        if self._waiting is not None:
-            self._pull(*self._waiting)
-            self._waiting = None
         q = self.bufs[0]
         dev = q.device
         compute = torch.cuda.current_stream(dev) if self.recv is not None else None

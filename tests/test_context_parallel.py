@@ -13,7 +13,6 @@ import functools
 import gc
 import importlib
 import threading
-import time
 
 import pytest
 import torch
@@ -173,21 +172,19 @@ def test_an_aligned_split_keeps_every_share_but_the_last_a_multiple(total, parts
     assert [s for s, _ in got] == [sum(want[:i]) for i in range(parts)]
 
 
-@pytest.mark.parametrize("defer", [True, False])
 @pytest.mark.parametrize("pipeline", [None, 2, 3])
 @pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens", [
     (2, 4, 4, 0, 0, 37), (3, 40, 40, 5, 0, 50), (4, 3, 3, 0, 7, 21), (4, 8, 2, 3, 2, 33), (3, 2, 2, 0, 0, 10),
     (2, 24, 24, 11, 0, 64)])
-def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens, pipeline, defer):
-    """... with the heads sent in ``pipeline`` parts (None: one on the CPU), each part its own kernel call, each rank's
-    own share copied before it waits for the others (``defer``) or after."""
+def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens, pipeline):
+    """... with the heads sent in ``pipeline`` parts (None: one on the CPU), each part its own kernel call."""
     g = torch.Generator().manual_seed(n * 100 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
     q, k, v = rand_qkv(g, b, L, heads, kv_heads, d, d + 2)
     ref = whole(q, k, v)
     lay = U.shard_layout(tokens, n, prefix, suffix)
-    group = G.Group(["cpu"] * n, pipeline=pipeline, defer=defer)
+    group = G.Group(["cpu"] * n, pipeline=pipeline)
 
     def local(t, r):
         return rank_rows(t, lay, r)
@@ -226,69 +223,6 @@ def test_a_failing_rank_stops_the_others_with_its_error():
     assert isinstance(errs[1], ValueError)
     for r in (0, 2):
         assert isinstance(errs[r], G.GroupAborted) and "rank 1 failed" in str(errs[r])
-
-
-def test_a_rank_offers_ahead_and_collects_each_round_as_it_was_offered():
-    """Group.offer / collect on 3 ranks: a rank offers up to two rounds ahead of what it collects; each collect returns
-    that round's offers (no slot written again before every rank collected it), and waits until every rank offered."""
-    n, rounds = 3, 12
-    group = G.Group(["cpu"] * n)
-    offered_before = []
-
-    def rank(r):
-        got = []
-        pending = []
-        for i in range(rounds):
-            if r == 2:
-                time.sleep(0.002)  # the slow rank: the others run ahead of it
-            pending.append(group._offer(r, (r, i)))
-            if len(pending) == 2:
-                k = pending.pop(0)
-                slot = group._collect(r, k)
-                offered_before.append(min(group._offered) > k)
-                got.append(slot)
-        got += [group._collect(r, k) for k in pending]
-        return got
-
-    outs, errs = run_ranks(n, rank)
-    assert errs == [None] * n, errs
-    for r in range(n):
-        assert outs[r] == [[(p, i) for p in range(n)] for i in range(rounds)]
-    assert all(offered_before)
-
-
-def test_a_rank_waiting_too_long_stops_every_rank():
-    """A rank that never offers: the others stop after the group's timeout with a message that says so."""
-    group = G.Group(["cpu"] * 2, timeout=0.2)
-
-    def rank(r):
-        if r == 1:
-            return None
-        return group.post(r, (torch.zeros(1),))
-
-    _, errs = run_ranks(2, rank)
-    assert isinstance(errs[0], G.GroupAborted) and "rank 0 waited 0.2 s for the other ranks" in str(errs[0])
-    with pytest.raises(G.GroupAborted, match="another rank of this forward failed"):
-        group.post(1, (torch.zeros(1),))
-
-
-def test_a_staged_rank_queues_its_own_share_before_it_waits():
-    """With ``defer`` a rank's first send copies its own tokens into the buffer and returns without waiting for the
-    other ranks (its next projection goes to its GPU meanwhile); the second send waits for the first's offers."""
-    n, heads, L = 2, 4, 10
-    q = torch.randn(1, L, heads, 8)
-    lay = U.shard_layout(L, n)
-    group = G.Group(["cpu"] * n)
-    call = U.Staged(group, 0, lay, heads, heads)
-    s0, sc = lay.shards[0]
-    done = threading.Event()
-    t = threading.Thread(target=lambda: (call.send(q[:, s0:s0 + sc]), done.set()))
-    t.start()
-    assert done.wait(10), "the first send waited for the other rank"
-    assert torch.equal(call.bufs[0][:, s0:s0 + sc], q[:, s0:s0 + sc, :heads // n])
-    assert group._offered == [1, 0]
-    group.abort(RuntimeError("stop"))
-    t.join(10)
 
 
 def test_shard_and_gather_round_trip_with_text_held_whole():
@@ -840,16 +774,14 @@ def test_wan_sends_q_k_and_v_as_it_makes_them(zoo, n, monkeypatch):
     assert torch.equal(out, at_the_call) and rel_l1(out, ref) < 1e-5
 
 
-@pytest.mark.parametrize("defer", [True, False])
-def test_a_staged_call_gives_what_the_call_at_once_gives(defer):
-    """ulysses.Staged (q, k and v sent one by one) against ulysses() on 3 ranks, grouped heads, each rank waiting for
-    the others as late as it can (``defer``) or at once: the same output, bit for bit, on every rank; a rank with no
-    heads runs no kernel; finishing before all three are sent is an error."""
+def test_a_staged_call_gives_what_the_call_at_once_gives():
+    """ulysses.Staged (q, k and v sent one by one) against ulysses() on 3 ranks, grouped heads: the same output, bit for
+    bit, on every rank; a rank with no heads runs no kernel; finishing before all three are sent is an error."""
     g = torch.Generator().manual_seed(3)
     n, heads, kv_heads, L = 3, 4, 2, 23
     q, k, v = rand_qkv(g, 2, L, heads, kv_heads, 8)
     lay = U.shard_layout(L, n)
-    group = G.Group(["cpu"] * n, defer=defer)
+    group = G.Group(["cpu"] * n)
     calls = []
 
     def local(qf, kf, vf):

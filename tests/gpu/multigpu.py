@@ -10,8 +10,10 @@ call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``
 shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
-element by element, not as 8-byte words), ``cp-lockstep`` (every exchange waits for the other GPUs as soon as it
-posts, before a GPU copies its own share or makes its next projection; modifiers combine: ``cp-flat-a128@2``); backend
+element by element, not as 8-byte words), ``-swN`` on any mode (Python's thread switch
+interval set to N microseconds for the row, from 5,000: how long a thread waiting for the interpreter lock waits
+before it asks for it; the benchmark's own process, a diagnosis of host-bound rows); modifiers combine:
+``cp-flat-a128@2``); backend
 ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
@@ -91,7 +93,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-lockstep|-a\d+")  # a row's exchange settings after its mode (docstring)
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+|-sw\d+")  # a row's exchange settings after its mode (docstring)
 
 
 def row_model(pack, cpn, job, extra, row):
@@ -187,8 +189,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
     times = {row: ([], []) for row in rows}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
-    rule, pitched, align, staged, words, defer = (uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS,
-                                                  grp.DEFER)
+    rule, pitched, align, staged, words = uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS
+    switch = sys.getswitchinterval()
     for rnd, row in ((i, row) for i in range(rounds) for row in rows):
         r = out[row]
         if "error" in r:
@@ -199,8 +201,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         grp.PITCHED = "-flat" not in mods
         grp.STAGED = "-unstaged" not in mods
         grp.WORDS = "-narrow" not in mods
-        grp.DEFER = "-lockstep" not in mods
         grp.ALIGN = next((int(m[2:]) for m in mods if m.startswith("-a")), align)
+        sys.setswitchinterval(next((int(m[3:]) * 1e-6 for m in mods if m.startswith("-sw")), switch))
         try:
             m = row_model(pack, cpn, job, extra, row)
             t0 = time.perf_counter()
@@ -228,8 +230,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS, grp.DEFER = (rule, pitched, align, staged,
-                                                                                   words, defer)
+        uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS = rule, pitched, align, staged, words
+        sys.setswitchinterval(switch)
         torch.cuda.empty_cache()
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
     out = list(out.values())
