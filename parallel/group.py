@@ -310,7 +310,8 @@ def _copy_2d(fn, dst, src, plan, stream) -> None:
     uses."""
     pair = (src.device, dst.device)
     if pair not in _PEERS:
-        torch.empty(1, dtype=src.dtype, device=dst.device).copy_(src.new_zeros(1))
+        with torch.cuda.stream(stream):  # on the source's send stream, not on its rank's compute stream
+            torch.empty(1, dtype=src.dtype, device=dst.device).copy_(src.new_zeros(1))
         _PEERS.add(pair)
     d, s, h = dst.data_ptr(), src.data_ptr(), stream.cuda_stream
     with torch.cuda.device(stream.device):
