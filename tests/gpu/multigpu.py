@@ -10,10 +10,9 @@ call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``
 shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
-element by element, not as 8-byte words), ``-swN`` on any mode (Python's thread switch
-interval set to N microseconds for the row, from 5,000: how long a thread waiting for the interpreter lock waits
-before it asks for it; the benchmark's own process, a diagnosis of host-bound rows); modifiers combine:
-``cp-flat-a128@2``); backend
+element by element, not as 8-byte words), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
+for the row instead of 5,000: how long a thread waiting for the interpreter lock waits before it asks for it; set in
+the benchmark's own process, to diagnose host-bound rows); modifiers combine: ``cp-flat-a128@2``); backend
 ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
@@ -93,7 +92,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+|-sw\d+")  # a row's exchange settings after its mode (docstring)
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+|-sw\d+")  # a row's settings after its mode (docstring)
 
 
 def row_model(pack, cpn, job, extra, row):
