@@ -83,6 +83,8 @@
 #   multigpu-table the table of docs/multi-gpu.md in one call (~8 min): Wan 14B 480p and 720p at CFG 1 (also one GPU on
 #                  the machine's last GPU), Wan 1.3B at CFG 1 and CFG 5 (CFG Split and Context Parallel), each row against
 #                  the same backend on one GPU
+#   multigpu-wan14-cfg5  Wan 2.1 14B 480p at CFG 5 (~4 min): one GPU, MultiGPU CFG Split and Context Parallel with
+#                  cfg_split off, with sage_fp8_sm90 and auto_exact
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
@@ -381,6 +383,10 @@ stage_multigpu-table() {  # the table of docs/multi-gpu.md in one call: Wan 14B 
     MG_ROWS=1:unpatched,1:auto_exact,1:sage_fp8_sm90,1:auto,cp:unpatched,cp:auto_exact,cp:sage_fp8_sm90,cp:auto stage_multigpu
   MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=90 \
     MG_ROWS=1:unpatched,1:sage_fp8_sm90,cfg:unpatched,cfg:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 stage_multigpu
+}
+stage_multigpu-wan14-cfg5() {  # Wan 2.1 14B 480p at CFG 5: CFG Split against Context Parallel (cfg_split off)
+  MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=${MG_LIMIT:-280} \
+    MG_ROWS=1:sage_fp8_sm90,cfg:sage_fp8_sm90,cp:sage_fp8_sm90,1:auto_exact,cfg:auto_exact,cp:auto_exact stage_multigpu
 }
 stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (Wan 1.3B, CFG 5), Wan 14B 480p profiled
   MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 MG_MIN_TOKENS=0 \
