@@ -141,8 +141,9 @@ def _copy_words(dst, src):
     (:func:`_words`): a rank's own share of the heads (each token's row of them contiguous, the rows a pitch apart) is
     strided, and PyTorch copies a strided tensor element by element; as words, a bf16 share moves in a quarter of the
     elements.  The same bytes land either way."""
-    if dst.dtype == src.dtype and _words(dst.shape, dst.stride(), dst.storage_offset(), dst.element_size()) \
-            and dst.shape == src.shape and _words(src.shape, src.stride(), src.storage_offset(), src.element_size()):
+    if dst.dtype == src.dtype and dst.shape == src.shape \
+            and _words(dst.shape, dst.stride(), dst.storage_offset(), dst.element_size()) \
+            and _words(src.shape, src.stride(), src.storage_offset(), src.element_size()):
         dst.view(torch.int64).copy_(src.view(torch.int64))
     else:
         dst.copy_(src)
