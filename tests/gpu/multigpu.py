@@ -188,8 +188,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
     times = {row: ([], []) for row in rows}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
-    rule, pitched, align, staged, words = uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS
-    switch = sys.getswitchinterval()
+    rule, switch = uly.PIPELINE_PARTS, sys.getswitchinterval()
+    exchange = {name: getattr(grp, name) for name in ("PITCHED", "ALIGN", "STAGED", "WORDS")}  # put back after each row
     for rnd, row in ((i, row) for i in range(rounds) for row in rows):
         r = out[row]
         if "error" in r:
@@ -200,7 +200,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         grp.PITCHED = "-flat" not in mods
         grp.STAGED = "-unstaged" not in mods
         grp.WORDS = "-narrow" not in mods
-        grp.ALIGN = next((int(m[2:]) for m in mods if m.startswith("-a")), align)
+        grp.ALIGN = next((int(m[2:]) for m in mods if m.startswith("-a")), exchange["ALIGN"])
         sys.setswitchinterval(next((int(m[3:]) * 1e-6 for m in mods if m.startswith("-sw")), switch))
         try:
             m = row_model(pack, cpn, job, extra, row)
@@ -229,7 +229,9 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS, grp.PITCHED, grp.ALIGN, grp.STAGED, grp.WORDS = rule, pitched, align, staged, words
+        uly.PIPELINE_PARTS = rule
+        for name, value in exchange.items():
+            setattr(grp, name, value)
         sys.setswitchinterval(switch)
         torch.cuda.empty_cache()
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))
