@@ -388,7 +388,7 @@ CP_NOTE = (
     "Context Parallel (multi-GPU): each sampling step runs on all the GPUs of this machine; on one GPU it does nothing "
     "and the terminal says so. It copies the model to every GPU, so the model must fit on one.\n"
     + inputs_note("ContextParallel", defaults("ContextParallel")) + "\n\nMeasured on 2x H100 (ComfyUI 0.33, Wan 2.1, "
-    "81 frames, random weights): at CFG 5 (1.3B, 480p), a prompt per GPU ran x1.99 against one GPU with "
+    "81 frames, random weights): at CFG 5 (1.3B and 14B, 480p), a prompt per GPU ran x1.99 against one GPU with "
     "sage_fp8_sm90; at CFG 1 (a distilled LoRA) the split step ran x1.87-1.89 (14B, 480p; x1.81-1.86 on 2x H200) "
     "and x1.93-1.94 (14B, 720p); Wan 1.3B x1.8 with sage_fp8_sm90 or auto (x1.6-1.8 on 2x H200), held back by the "
     "CPU, x1.88 with auto_exact. Images and clips shorter than 16,384 tokens stay on one GPU, where they ran faster. "
