@@ -10,7 +10,8 @@ call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``
 shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
-element by element, not as 8-byte words), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
+element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
+that has 4), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
 for the row instead of 5,000: how long a thread waiting for the interpreter lock waits before it asks for it; set in
 the benchmark's own process, to diagnose host-bound rows); modifiers combine: ``cp-flat-a128@2``); backend
 ``unpatched``
@@ -92,11 +93,12 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+|-sw\d+")  # a row's settings after its mode (docstring)
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+|-sw\d+|-g\d+")  # a row's settings after its mode (docstring)
 
 
 def row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
+    gpus = next((int(g[2:]) for g in MODIFIERS.findall(mode.split("@")[0]) if g.startswith("-g")), 0)
     mode = MODIFIERS.sub("", mode.split("@")[0])
     if mode == "last":  # one GPU, the machine's last (its copy of the weights): how fast that GPU is alone
         return extra[-1] if backend == "unpatched" else pack.nodes.patch.patch_model(extra[-1], backend)
@@ -106,7 +108,7 @@ def row_model(pack, cpn, job, extra, row):
     m = with_copies(m, extra)
     if mode == "cfg":
         return m
-    return cpn.context_parallel(m, gpus=0, cfg_split=(mode == "cp-cfg"), min_tokens=MIN_TOKENS[0])
+    return cpn.context_parallel(m, gpus=gpus, cfg_split=(mode == "cp-cfg"), min_tokens=MIN_TOKENS[0])
 
 
 def peaks():

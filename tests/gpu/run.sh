@@ -85,6 +85,8 @@
 #                  the same backend on one GPU
 #   multigpu-wan14-cfg5  Wan 2.1 14B 480p at CFG 5 (~4 min): one GPU, MultiGPU CFG Split and Context Parallel with
 #                  cfg_split off, with sage_fp8_sm90 and auto_exact
+#   multigpu-4gpu  on a 4-GPU machine (~8 min): Wan 2.1 14B 720p and 480p at CFG 1 on one GPU and split over 2, (480p:
+#                  3) and 4; 480p at CFG 5: MultiGPU CFG Split, Context Parallel with 2 GPUs per cond, and over all 4
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
@@ -387,6 +389,13 @@ stage_multigpu-table() {  # the table of docs/multi-gpu.md in one call: Wan 14B 
 stage_multigpu-wan14-cfg5() {  # Wan 2.1 14B 480p at CFG 5: CFG Split against Context Parallel (cfg_split off)
   MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=${MG_LIMIT:-280} \
     MG_ROWS=1:sage_fp8_sm90,cfg:sage_fp8_sm90,cp:sage_fp8_sm90,1:auto_exact,cfg:auto_exact,cp:auto_exact stage_multigpu
+}
+stage_multigpu-4gpu() {  # on 4 GPUs: Wan 2.1 14B at CFG 1 over 2, 3 and 4 of them; 480p at CFG 5 with CFG Split, 2 per cond, 4
+  local r=1:auto_exact,cp-g2:auto_exact,cp:auto_exact,1:sage_fp8_sm90,cp-g2:sage_fp8_sm90,cp:sage_fp8_sm90
+  MG_PRESET=wan-14b-720p MG_STEPS=2 MG_LIMIT=230 MG_ROWS=$r stage_multigpu
+  MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=130 MG_ROWS=$r,cp-g3:auto_exact stage_multigpu
+  MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=140 \
+    MG_ROWS=1:sage_fp8_sm90,cfg:sage_fp8_sm90,cp-cfg:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
 }
 stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (Wan 1.3B, CFG 5), Wan 14B 480p profiled
   MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 MG_MIN_TOKENS=0 \
