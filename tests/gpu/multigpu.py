@@ -11,7 +11,8 @@ shares made contiguous before they cross between GPUs instead of 2-D copies: the
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
-that has 4), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
+that has 4), ``-compile`` on any mode (ComfyUI's TorchCompileModel, inductor, applied after the multi-GPU node as a
+workflow would: each GPU compiles its copy in the warm-up), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
 for the row instead of 5,000: how long a thread waiting for the interpreter lock waits before it asks for it; set in
 the benchmark's own process, to diagnose host-bound rows); modifiers combine: ``cp-flat-a128@2``); backend
 ``unpatched``
@@ -19,8 +20,9 @@ or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied befor
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
 first (the same weights; ComfyUI's own deep clones need a loader's file, these weights never were one).
 Per row: seconds per step (median between the sampler's step callbacks, after a one-step warm-up run that loads,
-tunes ``auto`` and compiles nothing), the whole run per step, the ratio to the same backend on one GPU (and, where the
-table has a ``last:`` row of that backend, to the slower of the two single GPUs: a split step goes at its pace), the final
+tunes ``auto`` and compiles what ``-compile`` compiles), the whole run per step, the ratio to the same backend on one
+GPU (for a ``-compile`` row: compiled there too; and, where the table has a ``last:`` row of that backend, to the
+slower of the two single GPUs: a split step goes at its pace), the final
 latent's relative L1 against the same backend on one GPU and against unpatched on one GPU, peak memory per GPU, and
 what Patch Attention counted (every GPU's lanes).
 
@@ -93,10 +95,20 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-a\d+|-sw\d+|-g\d+")  # a row's settings after its mode (docstring)
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-compile|-a\d+|-sw\d+|-g\d+")  # a row's settings after its mode (docstring)
 
 
 def row_model(pack, cpn, job, extra, row):
+    m = _row_model(pack, cpn, job, extra, row)
+    if "-compile" in MODIFIERS.findall(row.split(":", 1)[0].split("@")[0]):  # as TorchCompileModel, after the nodes
+        from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+        m = m.clone()
+        set_torch_compile_wrapper(m, backend="inductor")
+    return m
+
+
+def _row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
     gpus = next((int(g[2:]) for g in MODIFIERS.findall(mode.split("@")[0]) if g.startswith("-g")), 0)
     mode = MODIFIERS.sub("", mode.split("@")[0])
@@ -242,7 +254,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         if "s_per_step" not in r:
             continue
         mode, backend = r["row"].split(":", 1)
-        one = next((x for x in out if x["row"] == f"1:{backend}" and "s_per_step" in x), None)
+        c = "-compile" if "-compile" in MODIFIERS.findall(mode.split("@")[0]) else ""  # compiled against compiled
+        one = next((x for x in out if x["row"] == f"1{c}:{backend}" and "s_per_step" in x), None)
         last = next((x for x in out if x["row"] == f"last:{backend}" and "s_per_step" in x), None)
         if one is not None and last is not None:  # a split step goes at the slower GPU's pace
             r["vs_slower_gpu"] = round(max(one["s_per_step"], last["s_per_step"]) / r["s_per_step"], 3)

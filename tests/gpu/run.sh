@@ -87,6 +87,8 @@
 #                  cfg_split off, with sage_fp8_sm90 and auto_exact
 #   multigpu-4gpu  on a 4-GPU machine (~8 min): Wan 2.1 14B 720p and 480p at CFG 1 on one GPU and split over 2, (480p:
 #                  3) and 4; 480p at CFG 5: MultiGPU CFG Split, Context Parallel with 2 GPUs per cond, and over all 4
+#   multigpu-compile  Wan 2.1 1.3B 480p at CFG 1 with sage_fp8_sm90, on one GPU and split, each also under ComfyUI's
+#                  TorchCompileModel (inductor; each GPU compiles its copy in the warm-up)
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
@@ -396,6 +398,10 @@ stage_multigpu-4gpu() {  # on 4 GPUs: Wan 2.1 14B at CFG 1 over 2, 3 and 4 of th
   MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=130 MG_ROWS=$r,cp-g3:auto_exact stage_multigpu
   MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=140 \
     MG_ROWS=1:sage_fp8_sm90,cfg:sage_fp8_sm90,cp-cfg:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
+}
+stage_multigpu-compile() {  # Wan 2.1 1.3B 480p at CFG 1 (host-bound split) with TorchCompileModel after the node
+  MG_PRESET=wan-1.3b MG_STEPS=3 MG_LIMIT=${MG_LIMIT:-500} \
+    MG_ROWS=1:sage_fp8_sm90,cp:sage_fp8_sm90,1-compile:sage_fp8_sm90,cp-compile:sage_fp8_sm90 stage_multigpu
 }
 stage_multigpu-more() {  # Flux-dev 1024² at CFG 1, CFG Split's pass-through (Wan 1.3B, CFG 5), Wan 14B 480p profiled
   MG_PRESET=flux-dev MG_STEPS=4 MG_LIMIT=170 MG_MIN_TOKENS=0 \
