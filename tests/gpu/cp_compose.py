@@ -12,6 +12,8 @@ Cases, each against the same model on one GPU (the final latent's relative L1; 0
 - ``compile``: ComfyUI's TorchCompileModel wrapper (inductor) on the split model: the first GPU runs the module
   TorchCompileModel compiled, every other GPU its own copy compiled with the same options; the latent within
   ``COMPILE_BOUND`` of the model compiled without the node on one GPU (other graphs: not bit for bit).
+- ``compile-node``: the same with the TorchCompileModel node's own options (its guard filter: no guards on anything
+  reached through ``transformer_options``, where the Context Parallel node keeps a patch per block).
 
 The model is the preset's class with random bf16 weights (tests/gpu/multigpu.py's copies on the other GPUs); every
 forward is split however short (``min_tokens=0``) except where the case says otherwise.
@@ -54,6 +56,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # tests/: comfyui_support
+
 
 
 def lora_patches(model, scale: float = 0.02, seed: int = 1) -> dict:
@@ -209,11 +212,14 @@ def main(argv=None) -> int:
         m.add_patches(lora_patches(m), 1.0)
         return m
 
-    def compiled(m):
+    def compiled(m, node_options=False):
         from comfy_api.torch_helpers import set_torch_compile_wrapper
 
         m = m.clone()
-        set_torch_compile_wrapper(m, backend="inductor")
+        options = None
+        if node_options:  # as the TorchCompileModel node sets it: no guards on anything under transformer_options
+            options = {"guard_filter_fn": MG.skip_transformer_options}
+        set_torch_compile_wrapper(m, backend="inductor", options=options)
         return m
 
     # the copies on the other GPUs before anything runs, as this script made them when its plain cases were measured
@@ -264,6 +270,7 @@ def main(argv=None) -> int:
         "lora-after": (lambda: lora(base), lambda: lora(split(base))),
         "patch-after": (lambda: patch(base, "sdpa_cudnn"), lambda: patch(split(base), "sdpa_cudnn")),
         "compile": (lambda: compiled(base), lambda: compiled(split(base))),
+        "compile-node": (lambda: compiled(base, True), lambda: compiled(split(base), True)),
     }
     for name in FILE_CASES:
         cases[name] = (lambda n=name: from_file(n), lambda n=name: node(from_file(n)))
@@ -300,7 +307,7 @@ def main(argv=None) -> int:
                 r["split"] = not one_gpu
                 # compiled: each GPU's copy compiled; its latent within the exact floor of the model compiled without
                 # the node on one GPU (other graphs, compiled again: not bit for bit)
-                bound = COMPILE_BOUND if name == "compile" else 0.0
+                bound = COMPILE_BOUND if name.startswith("compile") else 0.0
                 r["ok"] = r["finite"] and r["rel_l1_vs_1gpu"] <= bound and r["split"]
         except Exception as e:  # a case's failure is a result
             r.update(ok=False, error=f"{type(e).__name__}: {e}"[:400], trace=traceback.format_exc()[-2000:])

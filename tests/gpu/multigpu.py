@@ -11,8 +11,8 @@ shares made contiguous before they cross between GPUs instead of 2-D copies: the
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
-that has 4), ``-compile`` on any mode (ComfyUI's TorchCompileModel, inductor, applied after the multi-GPU node as a
-workflow would: each GPU compiles its copy in the warm-up), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
+that has 4), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
+multi-GPU node as a workflow would: each GPU compiles its copy in the warm-up), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
 for the row instead of 5,000: how long a thread waiting for the interpreter lock waits before it asks for it; set in
 the benchmark's own process, to diagnose host-bound rows); modifiers combine: ``cp-flat-a128@2``); backend
 ``unpatched``
@@ -48,6 +48,12 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
+
+
+def skip_transformer_options(guard_entries):
+    """The TorchCompileModel node's guard filter (comfy_extras/nodes_torch_compile.py ``skip_torch_compile_dict``, whose
+    module needs ComfyUI's API packages): no guard on anything reached through ``transformer_options``."""
+    return [("transformer_options" not in entry.name) for entry in guard_entries]
 
 
 def load():
@@ -104,7 +110,7 @@ def row_model(pack, cpn, job, extra, row):
         from comfy_api.torch_helpers import set_torch_compile_wrapper
 
         m = m.clone()
-        set_torch_compile_wrapper(m, backend="inductor")
+        set_torch_compile_wrapper(m, backend="inductor", options={"guard_filter_fn": skip_transformer_options})
     return m
 
 

@@ -436,7 +436,7 @@ stage_cp-exchange() {
 
 stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile, fp8, GGUF
   timeout "${CP_COMPOSE_LIMIT:-420}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
-    --cases "${CP_COMPOSE_CASES:-lora-before,lora-after,patch-after,compile,fp8-scaled,gguf}" \
+    --cases "${CP_COMPOSE_CASES:-lora-before,lora-after,patch-after,compile,fp8-scaled,gguf,compile-node}" \
     --json "$OUT/cp-compose.json" 2>&1 | grep -E "^cp-compose|Traceback|Error" | tail -n 30
   return $(( PIPESTATUS[0] != 0 ))
 }
