@@ -41,6 +41,7 @@ Exit status 1 when a case fails.
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import importlib.util
 import json
 import logging
@@ -168,7 +169,13 @@ def main(argv=None) -> int:
     ap.add_argument("--gguf-node", default=os.environ.get("COMFYUI_GGUF") or os.path.join(
         os.environ.get("COMFYUI_PATH", "."), "custom_nodes", "ComfyUI-GGUF"), help="a ComfyUI-GGUF checkout")
     ap.add_argument("--json")
+    ap.add_argument("--stacks", help="write every thread's stack to this file after --stacks-after seconds (a case that "
+                    "hangs shows where it waits)")
+    ap.add_argument("--stacks-after", type=float, default=0.0)
     a = ap.parse_args(argv)
+    if a.stacks and a.stacks_after > 0:
+        stacks = open(a.stacks, "w")  # open for the process's life: faulthandler writes to it from its own thread
+        faulthandler.dump_traceback_later(a.stacks_after, exit=False, file=stacks)
     names = [c for c in a.cases.split(",") if c]
     if a.dynamic_vram and any(c.split("#")[0] not in FILE_CASES for c in names):
         ap.error(f"--dynamic-vram runs the file cases only ({', '.join(FILE_CASES)})")

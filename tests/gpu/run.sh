@@ -104,8 +104,9 @@
 #                  (tests/gpu/cp_exchange.py; CP_TOKENS, default 32760)
 #   cp-compose     Context Parallel over every GPU with a LoRA-like patch before and after the node, Patch Attention
 #                  after it, and torch.compile (kept on one GPU), then models loaded from files by the loaders users use:
-#                  fp8-scaled (UNETLoader's), GGUF Q8_0 (ComfyUI-GGUF's, from comfyui-gguf.tar.xz), each against one GPU
-#                  (tests/gpu/cp_compose.py); cp-compose-dynamic: the bf16 file and the GGUF one under ComfyUI's dynamic
+#                  fp8-scaled (UNETLoader's), GGUF Q8_0 (ComfyUI-GGUF's, from comfyui-gguf.tar.xz), each against one GPU,
+#                  last torch.compile with TorchCompileModel's own guard filter (compile-node); 15 s before the limit
+#                  every thread's stack goes to cp-compose-stacks.txt (tests/gpu/cp_compose.py); cp-compose-dynamic: the bf16 file and the GGUF one under ComfyUI's dynamic
 #                  VRAM (a process of its own)
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
 #                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
@@ -435,7 +436,9 @@ stage_cp-exchange() {
 }
 
 stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Attention after it, torch.compile, fp8, GGUF
-  timeout "${CP_COMPOSE_LIMIT:-420}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
+  local limit=${CP_COMPOSE_LIMIT:-420}  # every thread's stack in cp-compose-stacks.txt 15 s before the limit
+  timeout "$limit" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
+    --stacks "$OUT/cp-compose-stacks.txt" --stacks-after $(( limit - 15 )) \
     --cases "${CP_COMPOSE_CASES:-lora-before,lora-after,patch-after,compile,fp8-scaled,gguf,compile-node}" \
     --json "$OUT/cp-compose.json" 2>&1 | grep -E "^cp-compose|Traceback|Error" | tail -n 30
   return $(( PIPESTATUS[0] != 0 ))
