@@ -431,7 +431,7 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
 
 
 @pytest.mark.comfyui
-def test_torch_compile_under_the_split(zoo):
+def test_torch_compile_under_the_split(zoo, caplog):
     """ComfyUI's TorchCompileModel wrapper on the split model: ranks sharing one device (simulated) run the compiled
     model split, with the one-device latent.  On several devices a compile wrapper the node cannot make for the other
     GPUs' copies keeps the forward on one GPU with the reason (TorchCompileModel's it makes: the next test)."""
@@ -446,11 +446,13 @@ def test_torch_compile_under_the_split(zoo):
     set_torch_compile_wrapper(m, backend="inductor")
     torch._dynamo.reset()
     try:
-        with counting_exchanges(mod) as counts:
+        with counting_exchanges(mod) as counts, caplog.at_level("WARNING"):
             out = z.sample(m, case)
     finally:
         torch._dynamo.reset()
     assert sorted(set(counts)) == [0, 1] and rel_l1(out, ref) < 1e-5
+    said = [r.getMessage() for r in caplog.records if "torch.compile is on" in r.getMessage()]
+    assert len(said) == 1 and "leave torch.compile off" in said[0]  # once per run
     fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").ForwardWrapper
     topts = {"wrappers": m.wrappers}  # what a forward's transformer_options carry (ComfyUI merges them at sampling)
     gpus = {torch.device("cuda", 0), torch.device("cuda", 1)}
