@@ -59,7 +59,6 @@ sys.path.insert(0, HERE)
 sys.path.insert(1, os.path.dirname(HERE))  # tests/: comfyui_support
 
 
-
 def lora_patches(model, scale: float = 0.02, seed: int = 1) -> dict:
     """Weight differences for every self-attention q/k/v/o weight of the diffusion model (a rank-8 product each)."""
     g = torch.Generator().manual_seed(seed)
@@ -219,16 +218,6 @@ def main(argv=None) -> int:
         m.add_patches(lora_patches(m), 1.0)
         return m
 
-    def compiled(m, node_options=False):
-        from comfy_api.torch_helpers import set_torch_compile_wrapper
-
-        m = m.clone()
-        options = None
-        if node_options:  # as the TorchCompileModel node sets it: no guards on anything under transformer_options
-            options = {"guard_filter_fn": MG.skip_transformer_options}
-        set_torch_compile_wrapper(m, backend="inductor", options=options)
-        return m
-
     # the copies on the other GPUs before anything runs, as this script made them when its plain cases were measured
     if not a.dynamic_vram:
         copies.extend(MG.copies(e2e, job, a.preset))
@@ -276,8 +265,8 @@ def main(argv=None) -> int:
         "lora-before": (lambda: lora(base), lambda: split(lora(base))),
         "lora-after": (lambda: lora(base), lambda: lora(split(base))),
         "patch-after": (lambda: patch(base, "sdpa_cudnn"), lambda: patch(split(base), "sdpa_cudnn")),
-        "compile": (lambda: compiled(base), lambda: compiled(split(base))),
-        "compile-node": (lambda: compiled(base, True), lambda: compiled(split(base), True)),
+        "compile": (lambda: MG.compiled(base, False), lambda: MG.compiled(split(base), False)),
+        "compile-node": (lambda: MG.compiled(base), lambda: MG.compiled(split(base))),
     }
     for name in FILE_CASES:
         cases[name] = (lambda n=name: from_file(n), lambda n=name: node(from_file(n)))

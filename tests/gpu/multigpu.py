@@ -12,9 +12,10 @@ GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unst
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
 that has 4), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
-multi-GPU node as a workflow would: each GPU compiles its copy in the warm-up), ``-swN`` on any mode (Python's thread switch interval set to N microseconds
-for the row instead of 5,000: how long a thread waiting for the interpreter lock waits before it asks for it; set in
-the benchmark's own process, to diagnose host-bound rows); modifiers combine: ``cp-flat-a128@2``); backend
+multi-GPU node as a workflow would: each GPU compiles its copy in the warm-up), ``-swN`` on any mode (Python's thread
+switch interval set to N microseconds for the row instead of 5,000: how long a thread waiting for the interpreter lock
+waits before it asks for it; set in the benchmark's own process, to diagnose host-bound rows); modifiers combine:
+``cp-flat-a128@2``); backend
 ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
@@ -101,22 +102,33 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-compile|-a\d+|-sw\d+|-g\d+")  # a row's settings after its mode (docstring)
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-compile|-a\d+|-sw\d+|-g\d+")  # a row's settings after its mode
+
+
+def modifiers(row: str) -> list:
+    """The settings a row names after its mode (``cp-flat-g2@4:sage`` -> ``-flat``, ``-g2``; the docstring)."""
+    return MODIFIERS.findall(row.split(":", 1)[0].split("@")[0])
+
+
+def compiled(m, node_options: bool = True):
+    """A clone of ``m`` under ComfyUI's compile wrapper (inductor), with the TorchCompileModel node's guard filter
+    (``node_options``) or the wrapper's defaults."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    m = m.clone()
+    options = {"guard_filter_fn": skip_transformer_options} if node_options else None
+    set_torch_compile_wrapper(m, backend="inductor", options=options)
+    return m
 
 
 def row_model(pack, cpn, job, extra, row):
     m = _row_model(pack, cpn, job, extra, row)
-    if "-compile" in MODIFIERS.findall(row.split(":", 1)[0].split("@")[0]):  # as TorchCompileModel, after the nodes
-        from comfy_api.torch_helpers import set_torch_compile_wrapper
-
-        m = m.clone()
-        set_torch_compile_wrapper(m, backend="inductor", options={"guard_filter_fn": skip_transformer_options})
-    return m
+    return compiled(m) if "-compile" in modifiers(row) else m  # as TorchCompileModel, after the nodes
 
 
 def _row_model(pack, cpn, job, extra, row):
     mode, backend = row.split(":", 1)
-    gpus = next((int(g[2:]) for g in MODIFIERS.findall(mode.split("@")[0]) if g.startswith("-g")), 0)
+    gpus = next((int(g[2:]) for g in modifiers(row) if g.startswith("-g")), 0)
     mode = MODIFIERS.sub("", mode.split("@")[0])
     if mode == "last":  # one GPU, the machine's last (its copy of the weights): how fast that GPU is alone
         return extra[-1] if backend == "unpatched" else pack.nodes.patch.patch_model(extra[-1], backend)
@@ -216,7 +228,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
             continue
         parts = row.split(":", 1)[0].partition("@")[2]
         uly.PIPELINE_PARTS = int(parts) if parts else rule
-        mods = MODIFIERS.findall(row.split(":", 1)[0].split("@")[0])
+        mods = modifiers(row)
         grp.PITCHED = "-flat" not in mods
         grp.STAGED = "-unstaged" not in mods
         grp.WORDS = "-narrow" not in mods
@@ -260,7 +272,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         if "s_per_step" not in r:
             continue
         mode, backend = r["row"].split(":", 1)
-        c = "-compile" if "-compile" in MODIFIERS.findall(mode.split("@")[0]) else ""  # compiled against compiled
+        c = "-compile" if "-compile" in modifiers(r["row"]) else ""  # compiled against compiled
         one = next((x for x in out if x["row"] == f"1{c}:{backend}" and "s_per_step" in x), None)
         last = next((x for x in out if x["row"] == f"last:{backend}" and "s_per_step" in x), None)
         if one is not None and last is not None:  # a split step goes at the slower GPU's pace

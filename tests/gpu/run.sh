@@ -106,8 +106,8 @@
 #                  after it, and torch.compile (kept on one GPU), then models loaded from files by the loaders users use:
 #                  fp8-scaled (UNETLoader's), GGUF Q8_0 (ComfyUI-GGUF's, from comfyui-gguf.tar.xz), each against one GPU,
 #                  last torch.compile with TorchCompileModel's own guard filter (compile-node); 15 s before the limit
-#                  every thread's stack goes to cp-compose-stacks.txt (tests/gpu/cp_compose.py); cp-compose-dynamic: the bf16 file and the GGUF one under ComfyUI's dynamic
-#                  VRAM (a process of its own)
+#                  every thread's stack goes to cp-compose-stacks.txt (tests/gpu/cp_compose.py); cp-compose-dynamic:
+#                  the bf16 file and the GGUF one under ComfyUI's dynamic VRAM (a process of its own)
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
 #                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
 #   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
