@@ -15,8 +15,10 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
 - **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
   copied to each other GPU, to that GPU's model in its worker thread, with a :class:`~..parallel.context.RankContext`
   in the forward's ``transformer_options`` and the family unit's block patches; it returns the first GPU's output.
-- **torch.compile**: ComfyUI's TorchCompileModel compiles the modules of the model it is given (the first GPU's);
-  each other GPU's forward gets its copy's modules compiled with the same options (:func:`_compiled_per_gpu`).
+- **torch.compile**: a forward it splits runs every GPU's model uncompiled (ComfyUI's TorchCompileModel wrapper left out
+  of that forward's wrappers; the first GPU's too, through its model's ``apply_model`` as on the others).  TorchCompileModel
+  keeps no guard on ``transformer_options``, so code it compiled for the model unsplit (an earlier run) would run again
+  in a split forward without the split, and the other GPUs would wait for it.  Forwards it does not split keep it.
 - **The attention hook** (:class:`ContextParallelAttention`): calls over the split sequence are exchanged
   (:mod:`..parallel.ulysses`) around whatever was on the hook: Patch Attention (any backend, ``auto``), another
   override, or ComfyUI's own attention; calls from a sequence every GPU holds whole to the split one get the split
@@ -168,7 +170,7 @@ class ContextParallel:
 class Run:
     """One sampling run: the GPUs' models by group, a worker per extra GPU, what was said."""
 
-    def __init__(self, groups: list, grad: bool, inference: bool, compile_options: dict | None = None):
+    def __init__(self, groups: list, grad: bool, inference: bool, compiled: bool = False):
         self.groups = groups  # [[(device, BaseModel), ...] per group]; each group's first is where its forwards start
         self.by_leader = {g[0][0]: g for g in groups}
         self.workers = {}
@@ -179,14 +181,11 @@ class Run:
         self.grad, self.inference = grad, inference
         self.said = set()
         self.forwards = self.split_forwards = 0
-        self.compile_options = compile_options  # TorchCompileModel's torch.compile options (None: not compiled)
-        self.compiled = {}  # id(BaseModel) -> (BaseModel, its TorchCompileModel wrapper): one per GPU's copy
+        self.compiled = compiled  # a torch.compile wrapper is on the model (its split forwards run without it)
 
     def patch_models(self, unit, undo: list) -> None:
-        """The unit's changes to every GPU's model for this run (none under torch.compile: a compiled module would be
-        compiled again for them), each one's undoing appended to ``undo`` as it is made."""
-        if self.compile_options is not None:
-            return
+        """The unit's changes to every GPU's model for this run, each one's undoing appended to ``undo`` as it is
+        made."""
         for m in {id(m): m for g in self.groups for _, m in g}.values():
             undo.append(unit.patch_run(m.diffusion_model))
 
@@ -212,12 +211,11 @@ class RunWrapper(BoundWrapper):
         base = getattr(getattr(guider, "model_patcher", None), "model", None)
         groups, restore = self.groups(cp, options, base, getattr(guider, "cfg", 1.0))
         run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                  options.get(COMPILE_OPTIONS)) if groups else None
+                  options.get(COMPILE_OPTIONS) is not None) if groups else None
         prev, cp.run = cp.run, run
-        if run is not None and run.compile_options is not None:
-            cp.say("compile", "%s: torch.compile is on: a split run measured slower compiled than not (Wan 2.1 1.3B, "
-                   "2x H100), and with TorchCompileModel's own settings it is not confirmed to finish: leave "
-                   "torch.compile off for this model", NODE)
+        if run is not None and run.compiled:
+            cp.say("compile", "%s: torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they "
+                   "measured no faster: docs/multi-gpu.md); forwards on one GPU stay compiled", NODE)
         undo = []
         try:
             if run is not None:
@@ -276,8 +274,7 @@ class ForwardWrapper(BoundWrapper):
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         with cp._lock:
             run.forwards += 1
-        compiled = _compiled_per_gpu(cp, run, topts, ranks)  # made for every GPU: no compile wrapper stands in the way
-        why = self.why_not(control, {} if compiled else topts, {d for d, _ in ranks})
+        why = self.why_not(control)
         if why:
             cp.say(why, "%s: this forward runs on one GPU: %s", NODE, why)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
@@ -286,15 +283,21 @@ class ForwardWrapper(BoundWrapper):
         ctxs = [RankContext(group, r, cp.unit) for r in range(group.size)]
         for c in ctxs:
             c.last_key = keys[-1]
+        # under torch.compile every GPU runs its model's forward uncompiled, through apply_model without the compile
+        # wrapper (the first GPU's executor would run the compiled module: see the module's docstring)
+        uncompiled = COMPILE_KEY in topts.get("wrappers", {}).get("apply_model", {})
         futures = []
         for r in range(1, group.size):
             dev, model = ranks[r]
             worker = run.workers[(ranks[0][0], r)]
             futures.append(worker.submit(self._rank, run, model, ctxs[r], dev, (x, t, c_concat, c_crossattn, control),
-                                         self.rank_options(topts, ctxs[r], keys, dev, compiled and compiled[r]), kwargs))
+                                         self.rank_options(topts, ctxs[r], keys, dev, uncompiled), kwargs))
         try:
-            out = executor(x, t, c_concat, c_crossattn, control,
-                           self.rank_options(topts, ctxs[0], keys, None, compiled and compiled[0]), **kwargs)
+            first = self.rank_options(topts, ctxs[0], keys, None, uncompiled)
+            if uncompiled:
+                out = executor.class_obj.apply_model(x, t, c_concat, c_crossattn, control, first, **kwargs)
+            else:
+                out = executor(x, t, c_concat, c_crossattn, control, first, **kwargs)
         except BaseException as e:
             group.abort(e)
             concurrent.futures.wait(futures)
@@ -312,25 +315,20 @@ class ForwardWrapper(BoundWrapper):
         return out
 
     @staticmethod
-    def why_not(control, topts: dict, devices: set) -> str:
+    def why_not(control) -> str:
         """Why this forward cannot be split ("" where it can)."""
         if control is not None:
             return "a ControlNet's residuals are made for the whole sequence"
-        wrappers = topts.get("wrappers", {}).get("apply_model", {})
-        if len(devices) > 1 and wrappers.get(COMPILE_KEY):
-            # a compile wrapper the node cannot make for the other GPUs' copies (TorchCompileModel's it can:
-            # _compiled_per_gpu): every GPU's copy would run the first GPU's compiled modules
-            return "torch.compile compiled the first GPU's model, which the other GPUs cannot run"
         return ""
 
     @staticmethod
-    def rank_options(topts: dict, ctx: RankContext, keys: list, device, compiled=None) -> dict:
+    def rank_options(topts: dict, ctx: RankContext, keys: list, device, uncompiled: bool = False) -> dict:
         """The forward's transformer_options for one GPU: its context, the unit's block patches over any already there,
-        the top-level tensors on its device, and (``compiled``) TorchCompileModel's wrapper for this GPU's copy."""
+        the top-level tensors on its device, and (``uncompiled``) its wrappers without the torch.compile one."""
         out = {k: (_to(v, device) if device is not None else v) for k, v in topts.items()}
-        if compiled is not None:
+        if uncompiled:
             wrappers = dict(out.get("wrappers", {}))
-            wrappers["apply_model"] = {**wrappers.get("apply_model", {}), COMPILE_KEY: [compiled]}
+            wrappers["apply_model"] = {k: v for k, v in wrappers.get("apply_model", {}).items() if k != COMPILE_KEY}
             out["wrappers"] = wrappers
         replace = dict(out.get("patches_replace", {}))
         dit = dict(replace.get("dit", {}))
@@ -352,53 +350,6 @@ class ForwardWrapper(BoundWrapper):
         except BaseException as e:
             ctx.group.abort(e)
             raise
-
-
-def _compiled_per_gpu(cp, run, topts: dict, ranks: list):
-    """TorchCompileModel's wrapper for each rank's copy of the model (by rank), or None where the forward carries no
-    such wrapper or it cannot be made for every copy.
-
-    ComfyUI's TorchCompileModel compiles the modules of the model it was given (the first GPU's) and swaps them in for
-    each forward; another GPU's copy needs its own modules compiled with the same options.  Each copy's are compiled
-    once per sampling run (torch.compile is lazy: the first forward on that GPU compiles, and a later run finds
-    dynamo's code already compiled)."""
-    wrappers = topts.get("wrappers", {}).get("apply_model", {}).get(COMPILE_KEY)
-    if not wrappers or len(wrappers) != 1 or run.compile_options is None:
-        return None
-    if len({id(model) for _, model in ranks}) < len(ranks):  # ranks sharing a model (simulated): its wrapper serves all
-        return None
-    made = _compiled_modules(wrappers[0])
-    if made is None:
-        return None
-    import comfy.utils
-    from comfy_api.torch_helpers.torch_compile import apply_torch_compile_factory
-
-    def own(model, key):  # the copy's module (not a compiled one swapped in for a forward under way)
-        module = comfy.utils.get_attr(model, key)
-        return getattr(module, "_orig_mod", module)
-
-    out = []
-    for _, model in ranks:
-        if all(getattr(m, "_orig_mod", None) is own(model, k) for k, m in made.items()):
-            out.append(wrappers[0])  # the copy it was made for
-            continue
-        with cp._lock:
-            got = run.compiled.get(id(model))
-            if got is None:
-                modules = {k: torch.compile(own(model, k), **run.compile_options) for k in made}
-                got = run.compiled[id(model)] = (model, apply_torch_compile_factory(modules))
-        out.append(got[1])
-    return out
-
-
-def _compiled_modules(wrapper) -> dict | None:
-    """The ``{key: compiled module}`` ComfyUI's TorchCompileModel wrapper swaps in (None: not that wrapper)."""
-    cells = getattr(wrapper, "__closure__", None) or ()
-    names = getattr(getattr(wrapper, "__code__", None), "co_freevars", ())
-    for name, cell in zip(names, cells):
-        if name == "compiled_module_dict" and isinstance(cell.cell_contents, dict):
-            return cell.cell_contents
-    return None
 
 
 def _first_error(futures):
