@@ -13,7 +13,10 @@ the model wants, fused with whatever reads it), and a backend's declared input w
 over the sequence subtracted in the graph, fused with the ops that produce K, instead of eagerly inside the op).
 
 The op cannot take Python objects, so the caller registers its handler (``register``) and passes the returned
-integer; the handler gets ``(q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale, enable_gqa)`` and returns
+handle as a one-element CPU tensor (:func:`handle_tensor`), a graph input that compiled code reads from the caller at
+every call: ComfyUI's TorchCompileModel keeps no guard on what a model carries in ``transformer_options``, so a graph
+compiled for one patched model runs again for the next patch of the same model, and an integer would name the first
+one's handler (dead by then, or with the old settings).  The handler gets ``(q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale, enable_gqa)`` and returns
 what ComfyUI's attention returns for ``skip_output_reshape=False``: ``[B, N, H*Dv]``.
 """
 
@@ -47,12 +50,18 @@ def register(handler_owner) -> int:
     return h
 
 
+def handle_tensor(handle: int) -> torch.Tensor:
+    """``handle`` as the op takes it: a one-element int64 tensor on the CPU (read without a device sync)."""
+    return torch.tensor(handle, dtype=torch.int64)
+
+
 def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, heads: int,
-               skip_reshape: bool, handle: int, precise: bool, k_smoothed: bool, scale: float | None = None,
+               skip_reshape: bool, handle: torch.Tensor, precise: bool, k_smoothed: bool, scale: float | None = None,
                enable_gqa: bool = False) -> torch.Tensor:
-    owner = _handlers.get(handle)
+    h = int(handle)
+    owner = _handlers.get(h)
     if owner is None:
-        raise RuntimeError(f"patch_attention::attention: handle {handle} belongs to no live patched model")
+        raise RuntimeError(f"patch_attention::attention: handle {h} belongs to no live patched model")
     out = owner.op_call(q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale, enable_gqa)  # [B, N, H*Dv]
     # the fake implementation promises a contiguous [B, N, H, Dv]: a free view for every kernel that wrote NHD
     return out.unflatten(-1, (q.shape[1] if skip_reshape else heads, -1)).contiguous()

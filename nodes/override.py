@@ -143,6 +143,7 @@ class AttentionOverride:
         # compiled models subtract K's mean in their graph for a backend that declares it (see attention.op)
         self.smooth_k = chosen is not None and chosen.smooth_k
         self.handle = op.register(self)
+        self.op_handle = op.handle_tensor(self.handle)  # what a compiled graph reads at every call (see attention.op)
         self.lean_ok = (not self.passthrough and layer_options is None and not self.dense_layers and not log_stats
                         and not config.record_time)
         self.replaced_by = None  # the override found on the hook instead of this one at the start of a run
@@ -376,7 +377,7 @@ class AttentionOverride:
             a, rest = bind(args, kwargs)
             mask, precise = a.get("mask"), wants_full_precision(a, rest)
             return op.traced_call(a["q"], a["k"], a["v"], mask, a["heads"], bool(a.get("skip_reshape", False)),
-                                  bool(a.get("skip_output_reshape", False)), self.handle, precise,
+                                  bool(a.get("skip_output_reshape", False)), self.op_handle, precise,
                                   self.smooth_k and mask is None and not precise, rest.get("scale"),
                                   bool(rest.get("enable_gqa", False)))
         ln = getattr(self._tls, "lane", None) or self.lane()  # this thread's lane: one attribute read (hot path)

@@ -118,6 +118,49 @@ def test_a_smooth_k_backend_gets_its_k_smoothed_in_the_graph(pack, dynamo, kind)
         A.dispatch.clear_plan_cache()
 
 
+def test_a_new_patch_of_a_compiled_model_reaches_its_own_backend(pack, dynamo):
+    """TorchCompileModel's node keeps no guard on what the model carries in transformer_options, so the graph compiled
+    for one Patch Attention clone runs again for the next clone of the same model (another backend picked, the
+    workflow queued again).  The op reads its handler from the clone at every call: the new clone's calls reach its
+    own backend, with the first clone gone, and give its eager output."""
+    import gc
+
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    mod, mappings = pack
+    A = mod.attention
+    seen = {"t_one": [], "t_two": []}
+    for name, calls in seen.items():
+        A.REGISTRY.register(A.Backend(name=name, family="test", fn=smoothing_kernel(calls), constraints=(),
+                                      layouts=("HND", "NHD"), layout_by_output=True,
+                                      probe=lambda: A.Availability(True)))
+
+    def compiled(m):
+        m = m.clone()
+        set_torch_compile_wrapper(m, backend="inductor", options={"guard_filter_fn": lambda entries: [
+            "transformer_options" not in e.name for e in entries]})  # the TorchCompileModel node's filter
+        return m
+
+    try:
+        base = tiny_flux()
+        sample(compiled(patch(mappings, base, "t_one")), "flux", steps=2)
+        assert seen["t_one"] and not seen["t_two"]
+        gc.collect()  # the first clone is gone, as when a workflow's node gives a new one
+        second = patch(mappings, base, "t_two")
+        ref = sample(second, "flux", steps=2)
+        eager_calls = len(seen["t_two"])
+        seen["t_one"].clear()
+        out = sample(compiled(second), "flux", steps=2)
+        assert not seen["t_one"] and len(seen["t_two"]) == 2 * eager_calls
+        assert rel(out, ref) < 1e-4
+        _, graphs = _compile_counts()
+        assert graphs == 1  # the first clone's graph ran for the second
+    finally:
+        for name in seen:
+            A.REGISTRY.unregister(name)
+        A.dispatch.clear_plan_cache()
+
+
 def test_new_call_shapes_do_not_recompile_per_shape(pack, dynamo):
     mod, mappings = pack
     m = patch(mappings, tiny_sd(), "sdpa_math")
