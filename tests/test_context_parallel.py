@@ -431,8 +431,9 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
 
 
 @pytest.mark.comfyui
-def test_torch_compile_under_the_split(zoo, caplog):
-    """ComfyUI's TorchCompileModel on the split model, with its node's guard filter (no guard on anything reached
+@pytest.mark.parametrize("order", ["compile-after", "compile-before"])
+def test_torch_compile_under_the_split(zoo, caplog, order):
+    """ComfyUI's TorchCompileModel before or after the node, with its node's guard filter (no guard on anything reached
     through ``transformer_options``), after the model sampled compiled without the node: no compiled code runs in a
     split forward on any rank (code compiled for the unsplit model would run without the split, and the other ranks
     would wait for it), every rank exchanges, the latent is the uncompiled split's, bit for bit, and the node says so
@@ -463,7 +464,8 @@ def test_torch_compile_under_the_split(zoo, caplog):
         assert calls, "the unsplit model did not run compiled"
         calls.clear()
         with counting_exchanges(mod) as counts, caplog.at_level("WARNING"):
-            out = z.sample(compiled(_split(mod, base, 2)), case)
+            m = compiled(_split(mod, base, 2)) if order == "compile-after" else _split(mod, compiled(base.clone()), 2)
+            out = z.sample(m, case)
     finally:
         torch._dynamo.reset()
     assert calls == [] and sorted(set(counts)) == [0, 1] and rel_l1(out, eager) == 0

@@ -12,7 +12,7 @@ GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unst
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
 that has 4), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
-multi-GPU node as a workflow would: each GPU compiles its copy in the warm-up), ``-swN`` on any mode (Python's thread
+multi-GPU node as a workflow would: the node runs its split forwards uncompiled, one GPU compiles in the warm-up), ``-swN`` on any mode (Python's thread
 switch interval set to N microseconds for the row instead of 5,000: how long a thread waiting for the interpreter lock
 waits before it asks for it; set in the benchmark's own process, to diagnose host-bound rows); modifiers combine:
 ``cp-flat-a128@2``); backend

@@ -88,7 +88,7 @@
 #   multigpu-4gpu  on a 4-GPU machine (~8 min): Wan 2.1 14B 720p and 480p at CFG 1 on one GPU and split over 2, (480p:
 #                  3) and 4; 480p at CFG 5: MultiGPU CFG Split, Context Parallel with 2 GPUs per cond, and over all 4
 #   multigpu-compile  Wan 2.1 1.3B 480p at CFG 1 with sage_fp8_sm90, on one GPU and split, each also under ComfyUI's
-#                  TorchCompileModel (inductor; each GPU compiles its copy in the warm-up)
+#                  TorchCompileModel (inductor; the split forwards run uncompiled); MG_ROUNDS=2: a compiled row twice
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
 #                  on one GPU and split, one step of each profiled
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
@@ -103,7 +103,7 @@
 #                  copies against made contiguous first, with and without the kernel, bit-identical to one GPU
 #                  (tests/gpu/cp_exchange.py; CP_TOKENS, default 32760)
 #   cp-compose     Context Parallel over every GPU with a LoRA-like patch before and after the node, Patch Attention
-#                  after it, and torch.compile (kept on one GPU), then models loaded from files by the loaders users use:
+#                  after it, and torch.compile (split forwards uncompiled), then models loaded from files by the loaders users use:
 #                  fp8-scaled (UNETLoader's), GGUF Q8_0 (ComfyUI-GGUF's, from comfyui-gguf.tar.xz), each against one GPU,
 #                  last torch.compile with TorchCompileModel's own guard filter (compile-node); 15 s before the limit
 #                  every thread's stack goes to cp-compose-stacks.txt (tests/gpu/cp_compose.py); cp-compose-dynamic:
