@@ -16,8 +16,9 @@ The op cannot take Python objects, so the caller registers its handler (``regist
 handle as a one-element CPU tensor (:func:`handle_tensor`), a graph input that compiled code reads from the caller at
 every call: ComfyUI's TorchCompileModel keeps no guard on what a model carries in ``transformer_options``, so a graph
 compiled for one patched model runs again for the next patch of the same model, and an integer would name the first
-one's handler (dead by then, or with the old settings).  The handler gets ``(q, k, v, mask, heads, skip_reshape, precise, k_smoothed, scale, enable_gqa)`` and returns
-what ComfyUI's attention returns for ``skip_output_reshape=False``: ``[B, N, H*Dv]``.
+one's handler (dead by then, or with the old settings).  The handler gets ``(q, k, v, mask, heads, skip_reshape,
+precise, k_smoothed, scale, enable_gqa)`` and returns what ComfyUI's attention returns for
+``skip_output_reshape=False``: ``[B, N, H*Dv]``.
 """
 
 from __future__ import annotations
