@@ -37,7 +37,7 @@ from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
-from .hook import OVERRIDE_KEY, BoundWrapper, bind, host_function, take
+from .hook import COMPILE_KEY, OVERRIDE_KEY, BoundWrapper, bind, host_function, take
 
 log = logging.getLogger("patch_attention.parallel")
 
@@ -402,7 +402,6 @@ class OneGpuNotice(BoundWrapper):
         return executor(*args, **kwargs)
 
 
-COMPILE_KEY = "torch.compile"  # the wrapper key of ComfyUI's TorchCompileModel (comfy_api.torch_helpers)
 COMPILE_OPTIONS = "torch_compile_kwargs"  # where it keeps its torch.compile options in the model options
 
 # A forward splits only sequences of at least this many tokens (the split part) over real GPUs. Every GPU's thread runs

@@ -17,6 +17,7 @@ import torch
 from ..attention.calls import validate
 
 OVERRIDE_KEY = "optimized_attention_override"
+COMPILE_KEY = "torch.compile"  # the APPLY_MODEL wrapper key of ComfyUI's TorchCompileModel (comfy_api.torch_helpers)
 ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "skip_output_reshape")
 
 # ComfyUI's exact attention functions: where Patch Attention runs dense attention and the model's own function is

@@ -33,7 +33,7 @@ import torch
 from ..attention.calls import finite_flag
 from ..parallel.context import CP_KEY
 from . import recheck
-from .hook import BoundWrapper
+from .hook import COMPILE_KEY, BoundWrapper
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -55,6 +55,7 @@ def output_flag(out):
 
 
 CONTROL_ARG = 4  # apply_model(x, t, c_concat, c_crossattn, control, transformer_options, **kwargs)
+TOPTS_ARG = 5
 
 
 def whole_control(args, kwargs):
@@ -115,7 +116,9 @@ class ForwardWrapper(BoundWrapper):
             if ln.first_forward and ln.layer == 0 and not ov.traced_host and ov.replaced_by is None:
                 # no attention call of the run's first forward reached the override, though it is on the hook (only
                 # the first: a cache node, e.g. EasyCache, may skip a later forward's blocks altogether)
-                ov.unreached(ln, getattr(executor, "class_obj", None))
+                topts = args[TOPTS_ARG] if len(args) > TOPTS_ARG else kwargs.get("transformer_options")
+                wrappers = (topts or {}).get("wrappers", {}).get("apply_model", {})
+                ov.unreached(ln, getattr(executor, "class_obj", None), compiled=COMPILE_KEY in wrappers)
             ov.note_choices(ln)
             ln.first_forward = False
         finally:

@@ -233,10 +233,10 @@ class AttentionOverride:
         if self.log_stats:
             log.info("Patch Attention (%s): %s", self.config.backend, self.stats.summary())
 
-    def unreached(self, ln: Lane, base_model) -> None:
+    def unreached(self, ln: Lane, base_model, compiled: bool = False) -> None:
         """The first forward of a run in ``ln`` made no attention call that reached this override: counted in the
-        lane's statistics (``log_stats`` reports it), and said once per run."""
-        name, why = unreached_reason(base_model)
+        lane's statistics (``log_stats`` reports it), and said once per run (``compiled``: under torch.compile)."""
+        name, why = unreached_reason(base_model, compiled)
         ln.config.stats.count_unreached(name, why)
         with self._lock:
             said, self.unreached_said = self.unreached_said, True
@@ -512,15 +512,20 @@ class AttentionOverride:
 
 
 UNREACHED_WHY = ("its attention calls do not pass transformer_options, so no attention override can reach them")
+# under torch.compile: ComfyUI's TorchCompileModel keeps no guard on transformer_options, where the patch lives
+UNREACHED_COMPILED = ("torch.compile is on and may be running code compiled for this model before the patch was added "
+                      "(ComfyUI's TorchCompileModel does not compile again when only the attention patch changes; "
+                      "restarting ComfyUI clears it), or its attention calls do not pass transformer_options")
 
 
-def unreached_reason(base_model) -> tuple[str, str]:
-    """(the model's name, why no attention call of it reached the override) for the warning and the statistics."""
+def unreached_reason(base_model, compiled: bool = False) -> tuple[str, str]:
+    """(the model's name, why no attention call of it reached the override) for the warning and the statistics;
+    ``compiled``: the forward ran under a torch.compile wrapper."""
     dm = getattr(base_model, "diffusion_model", None)
     name = type(base_model).__name__ if base_model is not None else "this model"
     if dm is not None:
         name = f"{name} ({type(dm).__module__}.{type(dm).__name__})"
-    return name, UNREACHED_WHY
+    return name, UNREACHED_COMPILED if compiled else UNREACHED_WHY
 
 
 def _call_kw(a, rest) -> dict:

@@ -161,6 +161,36 @@ def test_a_new_patch_of_a_compiled_model_reaches_its_own_backend(pack, dynamo):
         A.dispatch.clear_plan_cache()
 
 
+def test_a_patch_added_to_a_model_already_compiled_says_what_runs(pack, dynamo, monkeypatch):
+    """The model sampled under TorchCompileModel (its node's guard filter; ComfyUI's attention_pytorch, NVIDIA's
+    default, traced in one graph), then Patch Attention is added and the model compiled again: the code compiled without
+    the patch runs (nothing tells dynamo the patch changed), no call reaches the patch, and the warning names
+    torch.compile as the likely cause and how to clear it."""
+    import comfy.ldm.flux.math as fmath
+    import comfy.ldm.modules.attention as cattn
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from conftest import capture
+
+    mod, mappings = pack
+    monkeypatch.setattr(fmath, "optimized_attention", cattn.attention_pytorch)
+    base = tiny_flux()
+
+    def compiled(m):
+        m = m.clone()
+        set_torch_compile_wrapper(m, backend="inductor", options={"guard_filter_fn": lambda entries: [
+            "transformer_options" not in e.name for e in entries]})  # the TorchCompileModel node's filter
+        return m
+
+    sample(compiled(base), "flux", steps=1)
+    patched = patch(mappings, base, "sdpa_math", log_stats=True)
+    with capture("patch_attention") as recs:
+        sample(compiled(patched), "flux", steps=1)
+    said = [r.getMessage() for r in recs if "cannot reach the attention" in r.getMessage()]
+    assert len(said) == 1 and "torch.compile is on" in said[0] and "restarting ComfyUI" in said[0]
+    st = stats_of(mod, patched)
+    assert st.total_calls == 0 and [why for _, why in st.unreached] == [mod.nodes.override.UNREACHED_COMPILED]
+
+
 def test_new_call_shapes_do_not_recompile_per_shape(pack, dynamo):
     mod, mappings = pack
     m = patch(mappings, tiny_sd(), "sdpa_math")
