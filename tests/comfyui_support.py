@@ -34,6 +34,18 @@ def counting_exchanges(mod):
         cls.attention, cls.staged = real
 
 
+def compiled_as_the_node(model, backend="inductor"):
+    """A clone of ``model`` under ComfyUI's compile wrapper with the TorchCompileModel node's options: its guard filter
+    (comfy_extras/nodes_torch_compile.py ``skip_torch_compile_dict``) keeps no guard on anything reached through
+    ``transformer_options``.  ``backend``: inductor, or a callable backend."""
+    from comfy_api.torch_helpers import set_torch_compile_wrapper
+
+    m = model.clone()
+    set_torch_compile_wrapper(m, backend=backend, options={"guard_filter_fn": lambda entries: [
+        "transformer_options" not in e.name for e in entries]})
+    return m
+
+
 def find_comfyui() -> str | None:
     """COMFYUI_PATH, else the ComfyUI this pack is cloned into (``ComfyUI/custom_nodes/<pack>``)."""
     env = os.environ.get("COMFYUI_PATH")

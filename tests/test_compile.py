@@ -4,7 +4,7 @@ per attention call shape."""
 
 import pytest
 import torch
-from comfyui_support import load_pack, sample, tiny_flux, tiny_sd
+from comfyui_support import compiled_as_the_node, load_pack, sample, tiny_flux, tiny_sd
 from conftest import smoothing_kernel
 from test_comfyui_integration import patch, rel, stats_of
 
@@ -125,7 +125,6 @@ def test_a_new_patch_of_a_compiled_model_reaches_its_own_backend(pack, dynamo):
     own backend, with the first clone gone, and give its eager output."""
     import gc
 
-    from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     mod, mappings = pack
     A = mod.attention
@@ -135,22 +134,16 @@ def test_a_new_patch_of_a_compiled_model_reaches_its_own_backend(pack, dynamo):
                                       layouts=("HND", "NHD"), layout_by_output=True,
                                       probe=lambda: A.Availability(True)))
 
-    def compiled(m):
-        m = m.clone()
-        set_torch_compile_wrapper(m, backend="inductor", options={"guard_filter_fn": lambda entries: [
-            "transformer_options" not in e.name for e in entries]})  # the TorchCompileModel node's filter
-        return m
-
     try:
         base = tiny_flux()
-        sample(compiled(patch(mappings, base, "t_one")), "flux", steps=2)
+        sample(compiled_as_the_node(patch(mappings, base, "t_one")), "flux", steps=2)
         assert seen["t_one"] and not seen["t_two"]
         gc.collect()  # the first clone is gone, as when a workflow's node gives a new one
         second = patch(mappings, base, "t_two")
         ref = sample(second, "flux", steps=2)
         eager_calls = len(seen["t_two"])
         seen["t_one"].clear()
-        out = sample(compiled(second), "flux", steps=2)
+        out = sample(compiled_as_the_node(second), "flux", steps=2)
         assert not seen["t_one"] and len(seen["t_two"]) == 2 * eager_calls
         assert rel(out, ref) < 1e-4
         _, graphs = _compile_counts()
@@ -168,23 +161,16 @@ def test_a_patch_added_to_a_model_already_compiled_says_what_runs(pack, dynamo, 
     torch.compile as the likely cause and how to clear it."""
     import comfy.ldm.flux.math as fmath
     import comfy.ldm.modules.attention as cattn
-    from comfy_api.torch_helpers import set_torch_compile_wrapper
     from conftest import capture
 
     mod, mappings = pack
     monkeypatch.setattr(fmath, "optimized_attention", cattn.attention_pytorch)
     base = tiny_flux()
 
-    def compiled(m):
-        m = m.clone()
-        set_torch_compile_wrapper(m, backend="inductor", options={"guard_filter_fn": lambda entries: [
-            "transformer_options" not in e.name for e in entries]})  # the TorchCompileModel node's filter
-        return m
-
-    sample(compiled(base), "flux", steps=1)
+    sample(compiled_as_the_node(base), "flux", steps=1)
     patched = patch(mappings, base, "sdpa_math", log_stats=True)
     with capture("patch_attention") as recs:
-        sample(compiled(patched), "flux", steps=1)
+        sample(compiled_as_the_node(patched), "flux", steps=1)
     said = [r.getMessage() for r in recs if "cannot reach the attention" in r.getMessage()]
     assert len(said) == 1 and "torch.compile is on" in said[0] and "restarting ComfyUI" in said[0]
     st = stats_of(mod, patched)

@@ -16,7 +16,7 @@ import threading
 
 import pytest
 import torch
-from comfyui_support import counting_exchanges
+from comfyui_support import compiled_as_the_node, counting_exchanges
 from pack import load
 
 P = load()
@@ -439,7 +439,6 @@ def test_torch_compile_under_the_split(zoo, caplog, order):
     would wait for it), every rank exchanges, the latent is the uncompiled split's, bit for bit, and the node says so
     once per run."""
     import torch._dynamo
-    from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     z, mod, _ = zoo
     cls, case = _case(z, "WAN21_T2V")
@@ -453,18 +452,14 @@ def test_torch_compile_under_the_split(zoo, caplog, order):
             return gm.forward(*a)
         return run
 
-    def compiled(m):
-        set_torch_compile_wrapper(m, backend=backend, options={"guard_filter_fn": lambda entries: [
-            "transformer_options" not in e.name for e in entries]})  # TorchCompileModel's filter
-        return m
-
     torch._dynamo.reset()
     try:
-        z.sample(compiled(base.clone()), case)
+        z.sample(compiled_as_the_node(base, backend), case)
         assert calls, "the unsplit model did not run compiled"
         calls.clear()
         with counting_exchanges(mod) as counts, caplog.at_level("WARNING"):
-            m = compiled(_split(mod, base, 2)) if order == "compile-after" else _split(mod, compiled(base.clone()), 2)
+            m = compiled_as_the_node(_split(mod, base, 2), backend) if order == "compile-after" else \
+                _split(mod, compiled_as_the_node(base, backend), 2)
             out = z.sample(m, case)
     finally:
         torch._dynamo.reset()
