@@ -170,7 +170,7 @@ class ContextParallel:
 class Run:
     """One sampling run: the GPUs' models by group, a worker per extra GPU, what was said."""
 
-    def __init__(self, groups: list, grad: bool, inference: bool, compiled: bool = False):
+    def __init__(self, groups: list, grad: bool, inference: bool):
         self.groups = groups  # [[(device, BaseModel), ...] per group]; each group's first is where its forwards start
         self.by_leader = {g[0][0]: g for g in groups}
         self.workers = {}
@@ -181,7 +181,6 @@ class Run:
         self.grad, self.inference = grad, inference
         self.said = set()
         self.forwards = self.split_forwards = 0
-        self.compiled = compiled  # a torch.compile wrapper is on the model (its split forwards run without it)
 
     def patch_models(self, unit, undo: list) -> None:
         """The unit's changes to every GPU's model for this run, each one's undoing appended to ``undo`` as it is
@@ -210,12 +209,8 @@ class RunWrapper(BoundWrapper):
         options = extra.get("model_options", {}) if isinstance(extra, dict) else {}
         base = getattr(getattr(guider, "model_patcher", None), "model", None)
         groups, restore = self.groups(cp, options, base, getattr(guider, "cfg", 1.0))
-        run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled(),
-                  options.get(COMPILE_OPTIONS) is not None) if groups else None
+        run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if groups else None
         prev, cp.run = cp.run, run
-        if run is not None and run.compiled:
-            cp.say("compile", "%s: torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they "
-                   "measured no faster: docs/multi-gpu.md); forwards on one GPU stay compiled", NODE)
         undo = []
         try:
             if run is not None:
@@ -286,6 +281,9 @@ class ForwardWrapper(BoundWrapper):
         # under torch.compile every GPU runs its model's forward uncompiled, through apply_model without the compile
         # wrapper (the first GPU's executor would run the compiled module: see the module's docstring)
         uncompiled = COMPILE_KEY in topts.get("wrappers", {}).get("apply_model", {})
+        if uncompiled:
+            cp.say("compile", "%s: torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they "
+                   "measured no faster: docs/multi-gpu.md); forwards on one GPU stay compiled", NODE)
         futures = []
         for r in range(1, group.size):
             dev, model = ranks[r]
@@ -402,7 +400,6 @@ class OneGpuNotice(BoundWrapper):
         return executor(*args, **kwargs)
 
 
-COMPILE_OPTIONS = "torch_compile_kwargs"  # where it keeps its torch.compile options in the model options
 
 # A forward splits only sequences of at least this many tokens (the split part) over real GPUs. Every GPU's thread runs
 # the whole model's Python under one interpreter lock, so a step's host work is done once per GPU: a short sequence

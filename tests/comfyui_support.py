@@ -34,15 +34,19 @@ def counting_exchanges(mod):
         cls.attention, cls.staged = real
 
 
+def skip_transformer_options(guard_entries):
+    """The TorchCompileModel node's guard filter (comfy_extras/nodes_torch_compile.py ``skip_torch_compile_dict``, whose
+    module needs ComfyUI's API packages): no guard on anything reached through ``transformer_options``."""
+    return [("transformer_options" not in entry.name) for entry in guard_entries]
+
+
 def compiled_as_the_node(model, backend="inductor"):
-    """A clone of ``model`` under ComfyUI's compile wrapper with the TorchCompileModel node's options: its guard filter
-    (comfy_extras/nodes_torch_compile.py ``skip_torch_compile_dict``) keeps no guard on anything reached through
-    ``transformer_options``.  ``backend``: inductor, or a callable backend."""
+    """A clone of ``model`` under ComfyUI's compile wrapper with the TorchCompileModel node's options (its guard filter,
+    :func:`skip_transformer_options`).  ``backend``: inductor, or a callable backend."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
 
     m = model.clone()
-    set_torch_compile_wrapper(m, backend=backend, options={"guard_filter_fn": lambda entries: [
-        "transformer_options" not in e.name for e in entries]})
+    set_torch_compile_wrapper(m, backend=backend, options={"guard_filter_fn": skip_transformer_options})
     return m
 
 

@@ -16,6 +16,9 @@ Cases, each against the same model on one GPU (the final latent's relative L1; 0
   reached through ``transformer_options``, so the code compiled on one GPU would run again in a split forward if the
   node let it, and the other GPUs would wait).
 
+The model is the preset's class with random bf16 weights (tests/gpu/multigpu.py's copies on the other GPUs); every
+forward is split however short (``min_tokens=0``) except where the case says otherwise.
+
 Models as users load them: the same weights saved to a file in /tmp, loaded by the loader a workflow uses, sampled on
 one GPU and through the Context Parallel node, whose GPUs' copies ComfyUI makes (``create_multigpu_deepclones``); the
 log must show every forward split:
@@ -71,10 +74,6 @@ def lora_patches(model, scale: float = 0.02, seed: int = 1) -> dict:
 
 FILE_CASES = ("fp8-scaled", "gguf", "dynamic")
 SPLIT = re.compile(r"Context Parallel: (\d+) of (\d+) forwards split over (\d+) GPUs")
-
-
-def rel_l1(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
 
 
 def diffusion_state_dict(model) -> dict:
@@ -271,7 +270,7 @@ def main(argv=None) -> int:
     }
     for name in FILE_CASES:
         cases[name] = (lambda n=name: from_file(n), lambda n=name: node(from_file(n)))
-    results, failed, refs = [], 0, {}
+    results, failed, uncompiled = [], 0, None
     for name in names:
         r = {"case": name.split("#")[0]}
         name = r["case"]
@@ -283,11 +282,11 @@ def main(argv=None) -> int:
             ref = sample(one())
             del said[:]
             out = sample(many())
-            r["rel_l1_vs_1gpu"] = rel_l1(out, ref)
+            r["rel_l1_vs_1gpu"] = MG.rel_l1(out, ref)
             if name.startswith("compile"):  # the split forwards ran uncompiled: the uncompiled model's latent
-                if "uncompiled" not in refs:
-                    refs["uncompiled"] = sample(base)
-                r["rel_l1_vs_1gpu_uncompiled"] = rel_l1(out, refs["uncompiled"])
+                if uncompiled is None:
+                    uncompiled = sample(base)
+                r["rel_l1_vs_1gpu_uncompiled"] = MG.rel_l1(out, uncompiled)
             r["finite"] = bool(torch.isfinite(out).all())
             r["said"] = [s for s in said if "Context Parallel" in s][:4]
             one_gpu = any("runs on one GPU" in s or "ran on one GPU" in s or s.endswith("one GPU") for s in r["said"])

@@ -49,12 +49,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
-
-
-def skip_transformer_options(guard_entries):
-    """The TorchCompileModel node's guard filter (comfy_extras/nodes_torch_compile.py ``skip_torch_compile_dict``, whose
-    module needs ComfyUI's API packages): no guard on anything reached through ``transformer_options``."""
-    return [("transformer_options" not in entry.name) for entry in guard_entries]
+sys.path.insert(1, os.path.dirname(HERE))  # tests/: comfyui_support
 
 
 def load():
@@ -114,6 +109,7 @@ def compiled(m, node_options: bool = True):
     """A clone of ``m`` under ComfyUI's compile wrapper (inductor), with the TorchCompileModel node's guard filter
     (``node_options``) or the wrapper's defaults."""
     from comfy_api.torch_helpers import set_torch_compile_wrapper
+    from comfyui_support import skip_transformer_options
 
     m = m.clone()
     options = {"guard_filter_fn": skip_transformer_options} if node_options else None
