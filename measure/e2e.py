@@ -263,7 +263,7 @@ def rows_from_text(text: str, peers: bool = True) -> list[str]:
     """The rows a comma-separated list names (the node's ``rows`` input), checked; ``all`` or nothing: :func:`default_rows`."""
     chosen = [r.strip() for r in text.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
     if chosen:
-        known = set(default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *CORE_ROWS}
+        known = set(default_rows(peers=True)) | {*REGISTRY.names(), *CORE_ROWS}
         unknown = [r for r in chosen if parse_row(r)[0] not in known
                    and not (r.startswith(PEER) and r[len(PEER):] in REGISTRY)]
         if unknown:
@@ -275,7 +275,7 @@ def rows_from_text(text: str, peers: bool = True) -> list[str]:
 def default_rows(peers=True) -> list[str]:
     """Every backend usable here (but the slow math reference), auto, auto_exact, a peer row per non-SDPA kernel, and
     the rows of ComfyUI's own attention nodes."""
-    usable = [b.name for b in REGISTRY.backends() if b.available and b.name != "sdpa_math"]
+    usable = [b.name for b in REGISTRY.backends() if b.available and b.timed]
     rows = [UNPATCHED, *usable, "auto", AUTO_EXACT, *core_rows_here()]
     if peers:
         rows += [PEER + n for n in usable if REGISTRY.get(n).family != "sdpa"]

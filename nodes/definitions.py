@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..attention import REGISTRY, environment, report_rows
 from ..attention.backends.kitchen import SOL_BOUNDS, SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from ..attention.backends.sparge import BOUNDS, DEFAULTS
+from ..attention.capabilities import KERNELS
 from ..attention.sparge_profile import (
     DEFAULT_BUDGET,
     SOL_VARIANTS,
@@ -578,22 +579,20 @@ def gpu_kind(name: str) -> str:
     return "data-centre" if _DATACENTRE.search(name) else "consumer"
 
 
-# What install.py installs by default, in the words a user knows (attention.capabilities says which GPUs take each).
-INSTALLED_BY_DEFAULT = {"sageattention": "SageAttention 2", "sageattn3": "SageAttention 3", "spas_sage_attn": "SpargeAttn",
-                        "flash_attn4": "FlashAttention-4"}
+# What install.py installs by default, in the words a user knows (attention.capabilities says which GPUs take each):
+# kernel key -> title; the stand-ins (SageAttention 1 for 2) apart.
+INSTALLED_BY_DEFAULT = {k.key: k.title for k in KERNELS.values() if k.default and k.title and not k.instead_of}
+WINDOWS_WHEEL = "sageattention"  # on Windows install.py adds the prebuilt SageAttention 2 wheel only
 
 
 def addable(cc: tuple[int, int], windows: bool) -> list[str]:
     """The kernels install.py can add for a GPU of compute capability ``cc`` (Windows: the prebuilt SageAttention 2
-    wheel only; SageAttention 1 where 2 cannot run)."""
-    from ..attention.capabilities import KERNELS
-
-    names = [v for k, v in INSTALLED_BY_DEFAULT.items() if KERNELS[k].runs_on(cc)]
-    if windows:
-        names = [n for n in names if n == "SageAttention 2"]
-    if "SageAttention 2" not in names and KERNELS["sageattention1"].runs_on(cc):
-        names.insert(0, "SageAttention 1")
-    return names
+    wheel only; a stand-in, SageAttention 1, where the kernel it replaces cannot run)."""
+    keys = [k for k in INSTALLED_BY_DEFAULT if KERNELS[k].runs_on(cc) and (not windows or k == WINDOWS_WHEEL)]
+    for k in KERNELS.values():
+        if k.default and k.instead_of and k.instead_of not in keys and k.runs_on(cc):
+            keys.insert(0, k.key)
+    return [KERNELS[k].title for k in keys]
 
 
 def advice(env: dict, system: str | None = None) -> list[str]:
@@ -617,8 +616,6 @@ def advice(env: dict, system: str | None = None) -> list[str]:
     if windows:
         how = "It comes as a prebuilt wheel where one matches this torch; nothing is compiled on Windows."
     else:
-        from ..attention.capabilities import KERNELS
-
         built = [v for k, v in INSTALLED_BY_DEFAULT.items() if v in kernels and KERNELS[k].source == "build"]
         how = " ".join(filter(None, [
             built and f"Building {' and '.join(built)} needs the CUDA toolkit {cuda.split('.')[0]}.x, as torch's CUDA "
