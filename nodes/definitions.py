@@ -23,13 +23,13 @@ from ..attention.sparge_profile import (
     fingerprint_state_dict,
 )
 from . import files
-from .patch import GATE_OWN, SPARSE_START, SpargeSettings, patch_model, tune_model
+from .patch import GATE_OWN, SPARSE_START, SparseSettings, patch_model, tune_model
 from .progress import progress_bar
 
 CATEGORY = "model_patches/attention"
 # The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention (the type was SPARGE_SETTINGS;
 # a link keeps no type in the API format, and the frontends restore a saved link by its slot).
-SPARGE_TYPE = "SPARSE_SETTINGS"
+SPARSE_SETTINGS_TYPE = "SPARSE_SETTINGS"
 TOOLTIP_MAX = 300  # characters: what a tooltip box shows without scrolling; the detail is in README and docs/
 
 
@@ -114,7 +114,7 @@ def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0,
                          f"choose {sparse_settings.variant} or auto, or connect settings for {backend}")
     m = patch_model(
         model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
-        dense_layers=dense_layers, log_stats=log_stats, sparge=sparse_settings, auto_retune=auto_retune,
+        dense_layers=dense_layers, log_stats=log_stats, sparse=sparse_settings, auto_retune=auto_retune,
         auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1, check_finite=check_finite,
         sparse_start_percent=sparse_start_percent,
     )
@@ -143,7 +143,7 @@ PATCH = Node(
            "forward, e.g. '0-3, 10, 50-' (Flux: 0-18 double blocks, 19-56 single blocks)."),
         In("log_stats", "BOOLEAN", False, "After each sampling run, log per kernel its calls, fallbacks and GPU time "
            "(ms)."),
-        In("sparse_settings", SPARGE_TYPE, None, "Options, and optionally a per-layer profile, from a SpargeAttn "
+        In("sparse_settings", SPARSE_SETTINGS_TYPE, None, "Options, and optionally a per-layer profile, from a SpargeAttn "
            "Settings or Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
            optional=True, old_names=("sparge_settings",)),
         In("auto_retune", "BOOLEAN", False, "auto, auto_fast, auto_exact: measure the kernels again instead of using the "
@@ -177,7 +177,7 @@ def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, p
         opts["topk"] = topk
     else:
         opts["cdfthreshd"] = cdfthreshd
-    return (SpargeSettings(variant, opts, load_profile(profile, variant, SPARGE_NAME), int(report_error_every or 0)),)
+    return (SparseSettings(variant, opts, load_profile(profile, variant, SPARGE_NAME), int(report_error_every or 0)),)
 
 
 def load_profile(profile: str, variant: str, node: str) -> SpargeProfile | None:
@@ -241,7 +241,7 @@ SPARGE = Node(
            "costs one dense call.", optional=True,
            min=0, max=1000, step=1),
     ],
-    outputs=[(SPARGE_TYPE, "sparse_settings")],
+    outputs=[(SPARSE_SETTINGS_TYPE, "sparse_settings")],
     fn=run_sparge_settings,
     validate=profile_validator(SPARGE_NAME),
 )
@@ -256,7 +256,7 @@ def run_sol_settings(method, tau=SOL_DEFAULTS["tau"], keep_percent=100 * SOL_TOP
         opts["tau"] = float(tau)
     else:
         opts["keep_ratio"] = float(keep_percent) / 100.0
-    return (SpargeSettings(method, check_sol_options(opts), load_profile(profile, method, SOL_NAME)),)
+    return (SparseSettings(method, check_sol_options(opts), load_profile(profile, method, SOL_NAME)),)
 
 
 SOL_NAME = "Sol-Attn Settings"
@@ -284,7 +284,7 @@ SOL = Node(
            min=0, max=1 << 20, step=512),
         In("profile", "COMBO", files.NONE, PROFILE_TOOLTIP, optional=True, options=files.profile_names),
     ],
-    outputs=[(SPARGE_TYPE, "sparse_settings")],
+    outputs=[(SPARSE_SETTINGS_TYPE, "sparse_settings")],
     fn=run_sol_settings,
     validate=profile_validator(SOL_NAME),
 )
