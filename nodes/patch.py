@@ -170,8 +170,9 @@ def patch_model(
 class TuningOverride(AttentionOverride):
     """Tuning run: every call returns dense attention and measures sparse-kernel candidates (SpargeAttn's or
     Sol-Attn's); the profile is saved at the end. The search is measurement code (:mod:`..measure.sparge_tune`),
-    imported when a tuning run is built, never by patching.  The run's progress (its steps) shows on the Tune Sparse Attention node (``node_id``), which ComfyUI
-    executed before the sampler that runs the tuning; the terminal's bar counts the tuned calls."""
+    imported when a tuning run is built, never by patching.  The run's progress (its steps) shows on the Tune Sparse
+    Attention node (``node_id``), which ComfyUI executed before the sampler that runs the tuning; the terminal's bar
+    counts the tuned calls."""
 
     def __init__(self, tuner, name: str, fingerprint: str, model_class: str, write=None, node_id: str | None = None):
         super().__init__(AttentionConfig(backend="sdpa"))
