@@ -65,8 +65,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(8, 0),
             source="build",
             note="SageAttention 2.x, CUDA kernels built for the detected archs",
-            default=True,
-            title="SageAttention 2",
+            default=True, title="SageAttention 2",
         ),
         Kernel(
             key="sageattention1",
@@ -77,9 +76,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(7, 5),
             source="wheel",
             note="SageAttention 1.0.6 (Triton only); used where 2.x cannot be built",
-            default=True,
-            title="SageAttention 1",
-            instead_of="sageattention",
+            default=True, title="SageAttention 1", instead_of="sageattention",
         ),
         Kernel(
             key="sageattn3",
@@ -89,8 +86,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(10, 0),
             source="build",
             note="SageAttention3 (FP4), Blackwell only; source in sageattention3_blackwell/",
-            default=True,
-            title="SageAttention 3",
+            default=True, title="SageAttention 3",
         ),
         Kernel(
             key="spas_sage_attn",
@@ -102,8 +98,7 @@ KERNELS: dict[str, Kernel] = {
             max_cc=(9, 0),
             source="build",
             note="SpargeAttn sparse attention",
-            default=True,
-            title="SpargeAttn",
+            default=True, title="SpargeAttn",
         ),
         Kernel(
             key="flash_attn4",
@@ -117,8 +112,7 @@ KERNELS: dict[str, Kernel] = {
             arch_families=((9, 0), (10, 0), (10, 1), (10, 3), (11, 0)),
             source="wheel",
             note="FlashAttention-4 (CuTe DSL), pinned wheels from PyPI; Linux only",
-            default=True,
-            title="FlashAttention-4",
+            default=True, title="FlashAttention-4",
         ),
         Kernel(
             key="flash_attn",
