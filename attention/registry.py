@@ -178,10 +178,10 @@ class Registry:
         listed = [n for k in KERNELS.values() for n in k.backends] + [n for kb in KNOWN_BAD for n in kb.backends]
         missing = sorted({n for n in listed if n not in self._backends})
         twice = sorted({n for k in KERNELS.values() for n in k.backends if kernel_of(n) is not k})
-        if missing or twice:
-            raise ValueError("attention.capabilities names "
-                             + "; ".join(filter(None, [missing and f"backends nobody registers: {', '.join(missing)}",
-                                                       twice and f"backends under two packages: {', '.join(twice)}"])))
+        problems = [f"{what}: {', '.join(names)}" for what, names in
+                    (("backends nobody registers", missing), ("backends under two packages", twice)) if names]
+        if problems:
+            raise ValueError("attention.capabilities names " + "; ".join(problems))
 
     def unregister(self, name: str) -> None:
         self._backends.pop(name, None)
