@@ -65,8 +65,6 @@ PINNED = ("torch", "torchvision", "torchaudio")
 # Minimum nvcc per arch (SageAttention's setup.py refuses older ones).
 NVCC_MIN_FOR_ARCH = {(8, 9): (12, 4), (9, 0): (12, 3), (12, 0): (12, 8), (12, 1): (12, 9), (10, 0): (12, 8)}
 BUILD_TOOLS = ("setuptools", "wheel", "packaging", "ninja")  # what a --no-build-isolation build imports
-DEFAULT_SET = ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "flash_attn4", "comfy_kitchen")
-OPTIONAL_SET = ("flash_attn", "flash_attn3", "xformers")  # wheels only; on request (--only/--with)
 
 
 # ============================================================ data: where each kernel comes from
@@ -699,11 +697,13 @@ def max_jobs(m: Machine) -> int:
 
 
 def _wants(key: str, only, skip) -> bool:
+    if KERNELS[key].part_of:
+        return False  # its package is the other entry's step
     if only:
         return key in only
     if key in skip:
         return False
-    return key in DEFAULT_SET
+    return KERNELS[key].default
 
 
 def pick_wheel(key: str, m: Machine) -> PrebuiltWheel | None:
@@ -751,8 +751,7 @@ def plan(m: Machine, *, only=(), skip=(), sources=None, force=False) -> list[Ste
 
     tk_reason = None
     sage2 = False  # SageAttention 2 is there or planned
-    for key in ("sageattention", "sageattention1", "sageattn3", "spas_sage_attn", "flash_attn4", *OPTIONAL_SET, "comfy_kitchen"):
-        k = KERNELS[key]
+    for key, k in KERNELS.items():  # the table's order
         if not _wants(key, only, skip):
             continue
         if key == "flash_attn4":
@@ -1361,7 +1360,7 @@ def parse(argv=None):
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--only", default="", help="comma-separated kernels: " + ", ".join(KERNELS))
     p.add_argument("--skip", default="", help="comma-separated kernels not to install")
-    p.add_argument("--with", dest="with_", default="", help="add optional wheels: " + ", ".join(OPTIONAL_SET))
+    p.add_argument("--with", dest="with_", default="", help="add optional wheels: " + ", ".join(CAPS.optional_set()))
     p.add_argument("--sage-source", help="SageAttention source: a local path, archive or git URL")
     p.add_argument("--sparge-source", help="SpargeAttn source: a local path, archive or git URL")
     p.add_argument("--force", action="store_true", help="reinstall what is already there")
@@ -1385,7 +1384,7 @@ def main(argv=None) -> int:
     only = split(a.only)
     named = set(only) | set(split(a.with_))  # kernels the user asked for by name
     if a.with_:
-        only = (only or list(DEFAULT_SET)) + split(a.with_)
+        only = (only or list(CAPS.default_set())) + split(a.with_)
     m = detect()
     sources = {}
     if a.sage_source:

@@ -1,9 +1,10 @@
-"""Which kernel packages can run on which GPU architecture.
+"""Which kernel packages can run on which GPU architecture, and how install.py gets them.
 
 Pure data, importable without torch: ``install.py`` plans what to install from
-this table and the backends in ``attention.backends`` build their compute
-capability constraints from it, so what gets installed and what the
-dispatcher accepts never disagree.
+this table (in its order), and the registry gives each backend a package lists
+the compute-capability window of that package, so what gets installed and what
+the dispatcher accepts never disagree.  A backend whose package install.py does
+not install (PyTorch's own kernels) has no entry here.
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class Kernel:
     arch_families: tuple[tuple[int, int], ...] = field(default_factory=tuple)
     backends: tuple[str, ...] = ()  # registry names this package provides
     needs_triton: bool = False  # imports triton (on Windows: the triton-windows wheel matching torch)
+    default: bool = False  # install.py installs it unless told --only/--skip; the others on request (--only/--with)
+    title: str = ""  # its name in the Info node's advice (none for comfy-kitchen, which ComfyUI itself depends on)
+    instead_of: str = ""  # installed only where this other entry cannot be (SageAttention 1 for 2)
+    part_of: str = ""  # the same package as this other entry, installed by it (no step of its own)
 
     def runs_on(self, cc: tuple[int, int]) -> bool:
         if self.min_cc is not None and tuple(cc) < self.min_cc:
@@ -47,6 +52,7 @@ class Kernel:
         return "compute capability " + (" and ".join(parts) if parts else "any")
 
 
+# In install.py's order (SageAttention 2 is planned before 1, which it replaces where it can run).
 KERNELS: dict[str, Kernel] = {
     k.key: k
     for k in (
@@ -59,6 +65,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(8, 0),
             source="build",
             note="SageAttention 2.x, CUDA kernels built for the detected archs",
+            default=True, title="SageAttention 2",
         ),
         Kernel(
             key="sageattention1",
@@ -69,6 +76,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(7, 5),
             source="wheel",
             note="SageAttention 1.0.6 (Triton only); used where 2.x cannot be built",
+            default=True, title="SageAttention 1", instead_of="sageattention",
         ),
         Kernel(
             key="sageattn3",
@@ -78,6 +86,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(10, 0),
             source="build",
             note="SageAttention3 (FP4), Blackwell only; source in sageattention3_blackwell/",
+            default=True, title="SageAttention 3",
         ),
         Kernel(
             key="spas_sage_attn",
@@ -89,6 +98,21 @@ KERNELS: dict[str, Kernel] = {
             max_cc=(9, 0),
             source="build",
             note="SpargeAttn sparse attention",
+            default=True, title="SpargeAttn",
+        ),
+        Kernel(
+            key="flash_attn4",
+            backends=("flash_attn4",),
+            import_name="flash_attn.cute",
+            pip_name="flash-attn-4",
+            # flash-attn-4 4.0.0b36's forward: its Hopper kernel on sm 9.x, its Blackwell (tcgen05) kernel on sm 10.x
+            # and 11.x (Thor reports 10.1 to CUDA 12, 11.0 to CUDA 13). It also has an SM80-style path (mma.sync) for
+            # sm 8.x and 12.x whose head dims are bounded by shared memory and checked nowhere in its interface: not
+            # offered here until measured on such a GPU.
+            arch_families=((9, 0), (10, 0), (10, 1), (10, 3), (11, 0)),
+            source="wheel",
+            note="FlashAttention-4 (CuTe DSL), pinned wheels from PyPI; Linux only",
+            default=True, title="FlashAttention-4",
         ),
         Kernel(
             key="flash_attn",
@@ -109,19 +133,6 @@ KERNELS: dict[str, Kernel] = {
             note="FlashAttention-3 (Hopper)",
         ),
         Kernel(
-            key="flash_attn4",
-            backends=("flash_attn4",),
-            import_name="flash_attn.cute",
-            pip_name="flash-attn-4",
-            # flash-attn-4 4.0.0b36's forward: its Hopper kernel on sm 9.x, its Blackwell (tcgen05) kernel on sm 10.x
-            # and 11.x (Thor reports 10.1 to CUDA 12, 11.0 to CUDA 13). It also has an SM80-style path (mma.sync) for
-            # sm 8.x and 12.x whose head dims are bounded by shared memory and checked nowhere in its interface: not
-            # offered here until measured on such a GPU.
-            arch_families=((9, 0), (10, 0), (10, 1), (10, 3), (11, 0)),
-            source="wheel",
-            note="FlashAttention-4 (CuTe DSL), pinned wheels from PyPI; Linux only",
-        ),
-        Kernel(
             key="xformers",
             backends=("xformers",),
             import_name="xformers",
@@ -138,6 +149,7 @@ KERNELS: dict[str, Kernel] = {
             min_cc=(7, 5),
             source="wheel",
             note="int8 attention from comfy-kitchen",
+            default=True,
         ),
         Kernel(
             key="comfy_kitchen_sol",
@@ -148,9 +160,34 @@ KERNELS: dict[str, Kernel] = {
             source="wheel",
             note="Sol-Attn sparse attention from comfy-kitchen >= 0.2.40 (the comfy-kitchen install.py handles; "
                  "the version ComfyUI pins is kept)",
+            part_of="comfy_kitchen",
         ),
     )
 }
+
+
+def default_set() -> tuple[str, ...]:
+    """The kernels install.py installs when told nothing else."""
+    return tuple(key for key, k in KERNELS.items() if k.default)
+
+
+def optional_set() -> tuple[str, ...]:
+    """The kernels install.py installs only when named (``--only``/``--with``)."""
+    return tuple(key for key, k in KERNELS.items() if not k.default and not k.part_of)
+
+
+def kernel_of(backend: str) -> Kernel | None:
+    """The package that provides registry backend ``backend`` (None: PyTorch's own, or one install.py does not know)."""
+    return next((k for k in KERNELS.values() if backend in k.backends), None)
+
+
+def dist_of(module: str) -> str | None:
+    """The pip distribution that installs importable ``module`` (its top-level package is enough), or None."""
+    top = module.split(".")[0]
+    for k in sorted(KERNELS.values(), key=lambda k: k.import_name != module):  # an exact match first
+        if k.import_name.split(".")[0] == top:
+            return k.pip_name.split("==")[0]
+    return None
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .capabilities import KERNELS, KnownBad
+from .capabilities import KERNELS, Kernel, KnownBad
 
 
 def _dt(dtype: torch.dtype) -> str:
@@ -88,6 +88,14 @@ class ComputeCapability(Constraint):
     def of_kernel(cls, key: str) -> ComputeCapability:
         k = KERNELS[key]
         return cls(min=k.min_cc, max=k.max_cc, exact=k.arch_families)
+
+    def within(self, k: Kernel) -> bool:
+        """Every GPU this rule admits is one package ``k`` runs on."""
+        if self.exact:
+            return all(k.runs_on(a) for a in self.exact)
+        if k.arch_families or (k.min_cc and (self.min is None or self.min < k.min_cc)):
+            return False
+        return k.max_cc is None or (self.max is not None and self.max <= k.max_cc)
 
     def check(self, spec):
         if spec.device_type != "cuda":

@@ -4,7 +4,9 @@ A backend is registered once, with what it supports (a tuple of
 :mod:`constraints`), the layouts it accepts and a probe that says whether its
 package is importable here.  A backend whose package is missing stays in the
 registry as *unavailable* with the reason, so "why can't I use X here?" always
-has an answer.
+has an answer.  What the capability table (:mod:`capabilities`, shared with
+install.py) says of a backend's package -- the GPUs it runs on, the archs known
+to give wrong output there -- is added to its rules when it registers.
 """
 
 from __future__ import annotations
@@ -14,8 +16,8 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from .capabilities import KNOWN_BAD
-from .constraints import CallSpec, Constraint, NotKnownBad, plan
+from .capabilities import KERNELS, KNOWN_BAD, dist_of, kernel_of
+from .constraints import CallSpec, ComputeCapability, Constraint, DeviceTypes, NotKnownBad, plan
 
 log = logging.getLogger("patch_attention.registry")
 
@@ -104,6 +106,9 @@ class Backend:
     # A refusal that depends on the per-model options, checked after the static constraints: (spec, options) -> why
     # not, or None (Sol-Attn's minimum token count, which the user sets). The options then also reach ``fn``.
     declines: Callable | None = None
+    # False: never faster than the others where it runs (SDPA's unfused math kernel): auto never times it as a
+    # candidate and the benchmarks leave it out of their default rows.
+    timed: bool = True
     _avail: Availability | None = field(default=None, repr=False)
 
     def __post_init__(self):
@@ -159,12 +164,24 @@ class Registry:
         bad = [x for x in backend.layouts if x not in LAYOUTS]
         if bad or not backend.layouts:
             raise ValueError(f"backend {backend.name!r}: layouts must be from {LAYOUTS}, got {backend.layouts}")
-        # Known-bad archs are declared once, in capabilities.KNOWN_BAD (install.py reads the same table).
-        backend.constraints = tuple(backend.constraints) + tuple(
+        # What its package runs on and the archs known to be bad are declared once, in the capability table
+        # (install.py reads the same table).
+        backend.constraints = with_package_rules(backend.name, tuple(backend.constraints)) + tuple(
             NotKnownBad(kb) for kb in KNOWN_BAD if backend.name in kb.backends
         )
         self._backends[backend.name] = backend
         return backend
+
+    def check_table(self) -> None:
+        """The capability table and the registry agree: every backend the table names is registered, under one
+        package only (ValueError otherwise; run once every backend module is imported)."""
+        listed = [n for k in KERNELS.values() for n in k.backends] + [n for kb in KNOWN_BAD for n in kb.backends]
+        missing = sorted({n for n in listed if n not in self._backends})
+        twice = sorted({n for k in KERNELS.values() for n in k.backends if kernel_of(n) is not k})
+        problems = [f"{what}: {', '.join(names)}" for what, names in
+                    (("backends nobody registers", missing), ("backends under two packages", twice)) if names]
+        if problems:
+            raise ValueError("attention.capabilities names " + "; ".join(problems))
 
     def unregister(self, name: str) -> None:
         self._backends.pop(name, None)
@@ -180,14 +197,19 @@ class Registry:
     def __contains__(self, name: str) -> bool:
         return name in self._backends
 
-    def names(self) -> list[str]:
-        return list(self._backends)
+    def names(self, family: str | None = None) -> list[str]:
+        """Every backend's name (the ones a user can pick), in registration order; of one ``family`` if given."""
+        return [n for n, b in self._backends.items() if family is None or b.family == family]
 
     def backends(self) -> list[Backend]:
         return list(self._backends.values())
 
     def available(self) -> list[str]:
         return [b.name for b in self._backends.values() if b.available]
+
+    def untimed(self) -> set[str]:
+        """The backends auto and the benchmarks leave out (``Backend.timed`` off)."""
+        return {b.name for b in self._backends.values() if not b.timed}
 
     def why_not(self, name: str, spec: CallSpec | None = None) -> str | None:
         """``None`` if ``name`` can run (``spec``, when given), else the reason."""
@@ -204,6 +226,24 @@ class Registry:
 
 
 REGISTRY = Registry()
+
+
+def with_package_rules(name: str, rules: tuple[Constraint, ...]) -> tuple[Constraint, ...]:
+    """``rules`` with the compute-capability window of the package that provides backend ``name``
+    (``capabilities.KERNELS``), placed after the device rule. A backend may narrow that window with rules of its own
+    (one entry point of a package that needs a newer GPU), never widen it."""
+    k = kernel_of(name)
+    if k is None:
+        return rules
+    own = [r for r in rules if isinstance(r, ComputeCapability)]
+    wide = [r.describe() for r in own if not r.within(k)]
+    if wide:
+        raise ValueError(f"backend {name!r}: {', '.join(wide)} is wider than its package {k.key} runs on "
+                         f"({k.describe_arch()}, attention.capabilities)")
+    if own:
+        return rules
+    at = next((i + 1 for i, r in enumerate(rules) if isinstance(r, DeviceTypes)), 0)
+    return rules[:at] + (ComputeCapability.of_kernel(k.key),) + rules[at:]
 
 
 def check_bounded_options(opts: dict, bounds: dict, label: str, known=None) -> dict:
@@ -242,14 +282,12 @@ def import_probe(module: str, *, attr: str | None = None, check: Callable | None
 
 
 def version_of(module: str) -> str:
+    """The installed version of what provides ``module``: its distribution as the capability table names it, else
+    one named as the module is, else the module's ``__version__``."""
     from importlib import metadata
 
     top = module.split(".")[0]
-    dist = {
-        "flash_attn_interface": "flash_attn_3",
-        "spas_sage_attn": "spas_sage_attn",
-        "comfy_kitchen": "comfy-kitchen",
-    }.get(top, top)
+    dist = dist_of(module) or top
     for name in (dist, dist.replace("_", "-"), top):
         try:
             return metadata.version(name)

@@ -16,10 +16,11 @@ from dataclasses import dataclass, field
 
 from .backends.kitchen import SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from .backends.sparge import BOUNDS, DEFAULTS, TOPK_DEFAULTS, check_options
+from .registry import REGISTRY
 
 FORMAT = "patch_attention.sparge_profile/1"
-SPARGE_VARIANTS = ("sparge", "sparge_topk", "sparge_sage1")
-SOL_VARIANTS = ("kitchen_sol", "kitchen_sol_topk")
+SPARGE_VARIANTS = tuple(REGISTRY.names(family="sparge"))  # sparge, sparge_topk, sparge_sage1
+SOL_VARIANTS = tuple(REGISTRY.names(family="kitchen_sol"))  # kitchen_sol, kitchen_sol_topk
 VARIANTS = SPARGE_VARIANTS + SOL_VARIANTS
 THRESHOLDS = ("simthreshd1", "cdfthreshd", "pvthreshd", "topk", "tau", "keep_ratio", "extra_tokens")
 DEFAULT_BUDGET = 0.07  # a tuning run's rel-L1 budget per layer: SpargeAttn's autotune default (l1=0.07)

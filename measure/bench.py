@@ -39,7 +39,7 @@ PRESETS = {
     "wan-480p": (1, 40, 32760, 128, None, (21, 30, 52), "Wan 2.1 14B 480p, 81 frames"),
     "hunyuan-480p": (1, 24, 25696, 128, None, None, "HunyuanVideo 480p, 61 frames (+256 text)"),
 }
-SKIP_BY_DEFAULT = {"sdpa_math"}
+SKIP_BY_DEFAULT = REGISTRY.untimed()  # never faster (Backend.timed)
 
 
 def _time(fn, warmup, reps, rounds=5, device=None):

@@ -30,7 +30,7 @@ import torch
 
 from ..attention import AUTO_EXACT, REGISTRY
 from ..attention.auto import EXACT_SUFFIX, accuracy
-from ..nodes.patch import SPARSE_START, SpargeSettings, override_of, patch_model
+from ..nodes.patch import SPARSE_START, SparseSettings, override_of, patch_model
 from .quality import AT_FLOOR, compare, psnr, verdict
 
 log = logging.getLogger("patch_attention.e2e")
@@ -219,7 +219,7 @@ def row_settings(backend: str, opts: dict, profiles=None):
         raise ValueError(f"row options are for the sparse backends ({', '.join(VARIANTS)}), not {backend}")
     rest = {k: v for k, v in opts.items() if k != "profile"}
     options = check_thresholds(backend, {**default_options(backend), **rest})
-    return SpargeSettings(backend, options, (profiles or read_profile)(opts.get("profile", ""), backend))
+    return SparseSettings(backend, options, (profiles or read_profile)(opts.get("profile", ""), backend))
 
 
 def make_row_model(model, row: str, profiles=None):
@@ -228,7 +228,7 @@ def make_row_model(model, row: str, profiles=None):
     :func:`row_settings`), ``<backend>/no-nan-net``, peer:<kernel>, or a core row (ComfyUI's own attention nodes)."""
     base, opts = parse_row(row)
     if opts:
-        return patch_model(model, base, auto_retune=True, sparge=row_settings(base, opts, profiles),
+        return patch_model(model, base, auto_retune=True, sparse=row_settings(base, opts, profiles),
                            sparse_start_percent=SPARSE_START)
     if row == UNPATCHED:
         return model.clone()
@@ -263,7 +263,7 @@ def rows_from_text(text: str, peers: bool = True) -> list[str]:
     """The rows a comma-separated list names (the node's ``rows`` input), checked; ``all`` or nothing: :func:`default_rows`."""
     chosen = [r.strip() for r in text.replace(";", ",").split(",") if r.strip() and r.strip() != "all"]
     if chosen:
-        known = set(default_rows(peers=True)) | {"sdpa_math", *REGISTRY.names(), *CORE_ROWS}
+        known = set(default_rows(peers=True)) | {*REGISTRY.names(), *CORE_ROWS}
         unknown = [r for r in chosen if parse_row(r)[0] not in known
                    and not (r.startswith(PEER) and r[len(PEER):] in REGISTRY)]
         if unknown:
@@ -275,7 +275,7 @@ def rows_from_text(text: str, peers: bool = True) -> list[str]:
 def default_rows(peers=True) -> list[str]:
     """Every backend usable here (but the slow math reference), auto, auto_exact, a peer row per non-SDPA kernel, and
     the rows of ComfyUI's own attention nodes."""
-    usable = [b.name for b in REGISTRY.backends() if b.available and b.name != "sdpa_math"]
+    usable = [b.name for b in REGISTRY.backends() if b.available and b.timed]
     rows = [UNPATCHED, *usable, "auto", AUTO_EXACT, *core_rows_here()]
     if peers:
         rows += [PEER + n for n in usable if REGISTRY.get(n).family != "sdpa"]

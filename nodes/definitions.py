@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from ..attention import REGISTRY, environment, report_rows
 from ..attention.backends.kitchen import SOL_BOUNDS, SOL_DEFAULTS, SOL_TOPK_DEFAULTS, check_sol_options
 from ..attention.backends.sparge import BOUNDS, DEFAULTS
+from ..attention.capabilities import KERNELS
 from ..attention.sparge_profile import (
     DEFAULT_BUDGET,
     SOL_VARIANTS,
@@ -22,13 +23,13 @@ from ..attention.sparge_profile import (
     fingerprint_state_dict,
 )
 from . import files
-from .patch import GATE_OWN, SPARSE_START, SpargeSettings, patch_model, tune_model
+from .patch import GATE_OWN, SPARSE_START, SparseSettings, patch_model, tune_model
 from .progress import progress_bar
 
 CATEGORY = "model_patches/attention"
 # The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention (the type was SPARGE_SETTINGS;
 # a link keeps no type in the API format, and the frontends restore a saved link by its slot).
-SPARGE_TYPE = "SPARSE_SETTINGS"
+SPARSE_SETTINGS_TYPE = "SPARSE_SETTINGS"
 TOOLTIP_MAX = 300  # characters: what a tooltip box shows without scrolling; the detail is in README and docs/
 
 
@@ -113,7 +114,7 @@ def run_patch(model, backend, fallback=True, start_percent=0.0, end_percent=1.0,
                          f"choose {sparse_settings.variant} or auto, or connect settings for {backend}")
     m = patch_model(
         model, backend, fallback=fallback, start_percent=start_percent, end_percent=end_percent,
-        dense_layers=dense_layers, log_stats=log_stats, sparge=sparse_settings, auto_retune=auto_retune,
+        dense_layers=dense_layers, log_stats=log_stats, sparse=sparse_settings, auto_retune=auto_retune,
         auto_min_cos=auto_min_cos, auto_max_rel_l1=auto_max_rel_l1, check_finite=check_finite,
         sparse_start_percent=sparse_start_percent,
     )
@@ -142,7 +143,7 @@ PATCH = Node(
            "forward, e.g. '0-3, 10, 50-' (Flux: 0-18 double blocks, 19-56 single blocks)."),
         In("log_stats", "BOOLEAN", False, "After each sampling run, log per kernel its calls, fallbacks and GPU time "
            "(ms)."),
-        In("sparse_settings", SPARGE_TYPE, None, "Options, and optionally a per-layer profile, from a SpargeAttn "
+        In("sparse_settings", SPARSE_SETTINGS_TYPE, None, "Options, and optionally a per-layer profile, from a SpargeAttn "
            "Settings or Sol-Attn Settings node; they apply to that node's kernel, chosen here or by auto.",
            optional=True, old_names=("sparge_settings",)),
         In("auto_retune", "BOOLEAN", False, "auto, auto_fast, auto_exact: measure the kernels again instead of using the "
@@ -176,7 +177,7 @@ def run_sparge_settings(variant, simthreshd1, cdfthreshd, pvthreshd, topk=0.5, p
         opts["topk"] = topk
     else:
         opts["cdfthreshd"] = cdfthreshd
-    return (SpargeSettings(variant, opts, load_profile(profile, variant, SPARGE_NAME), int(report_error_every or 0)),)
+    return (SparseSettings(variant, opts, load_profile(profile, variant, SPARGE_NAME), int(report_error_every or 0)),)
 
 
 def load_profile(profile: str, variant: str, node: str) -> SpargeProfile | None:
@@ -240,7 +241,7 @@ SPARGE = Node(
            "costs one dense call.", optional=True,
            min=0, max=1000, step=1),
     ],
-    outputs=[(SPARGE_TYPE, "sparse_settings")],
+    outputs=[(SPARSE_SETTINGS_TYPE, "sparse_settings")],
     fn=run_sparge_settings,
     validate=profile_validator(SPARGE_NAME),
 )
@@ -255,7 +256,7 @@ def run_sol_settings(method, tau=SOL_DEFAULTS["tau"], keep_percent=100 * SOL_TOP
         opts["tau"] = float(tau)
     else:
         opts["keep_ratio"] = float(keep_percent) / 100.0
-    return (SpargeSettings(method, check_sol_options(opts), load_profile(profile, method, SOL_NAME)),)
+    return (SparseSettings(method, check_sol_options(opts), load_profile(profile, method, SOL_NAME)),)
 
 
 SOL_NAME = "Sol-Attn Settings"
@@ -283,7 +284,7 @@ SOL = Node(
            min=0, max=1 << 20, step=512),
         In("profile", "COMBO", files.NONE, PROFILE_TOOLTIP, optional=True, options=files.profile_names),
     ],
-    outputs=[(SPARGE_TYPE, "sparse_settings")],
+    outputs=[(SPARSE_SETTINGS_TYPE, "sparse_settings")],
     fn=run_sol_settings,
     validate=profile_validator(SOL_NAME),
 )
@@ -578,22 +579,20 @@ def gpu_kind(name: str) -> str:
     return "data-centre" if _DATACENTRE.search(name) else "consumer"
 
 
-# What install.py installs by default, in the words a user knows (attention.capabilities says which GPUs take each).
-INSTALLED_BY_DEFAULT = {"sageattention": "SageAttention 2", "sageattn3": "SageAttention 3", "spas_sage_attn": "SpargeAttn",
-                        "flash_attn4": "FlashAttention-4"}
+# What install.py installs by default, in the words a user knows (attention.capabilities says which GPUs take each):
+# kernel key -> title; the stand-ins (SageAttention 1 for 2) apart.
+INSTALLED_BY_DEFAULT = {k.key: k.title for k in KERNELS.values() if k.default and k.title and not k.instead_of}
+WINDOWS_WHEEL = "sageattention"  # on Windows install.py adds the prebuilt SageAttention 2 wheel only
 
 
 def addable(cc: tuple[int, int], windows: bool) -> list[str]:
     """The kernels install.py can add for a GPU of compute capability ``cc`` (Windows: the prebuilt SageAttention 2
-    wheel only; SageAttention 1 where 2 cannot run)."""
-    from ..attention.capabilities import KERNELS
-
-    names = [v for k, v in INSTALLED_BY_DEFAULT.items() if KERNELS[k].runs_on(cc)]
-    if windows:
-        names = [n for n in names if n == "SageAttention 2"]
-    if "SageAttention 2" not in names and KERNELS["sageattention1"].runs_on(cc):
-        names.insert(0, "SageAttention 1")
-    return names
+    wheel only; a stand-in, SageAttention 1, where the kernel it replaces cannot run)."""
+    keys = [k for k in INSTALLED_BY_DEFAULT if KERNELS[k].runs_on(cc) and (not windows or k == WINDOWS_WHEEL)]
+    for k in KERNELS.values():
+        if k.default and k.instead_of and k.instead_of not in keys and k.runs_on(cc):
+            keys.insert(0, k.key)
+    return [KERNELS[k].title for k in keys]
 
 
 def advice(env: dict, system: str | None = None) -> list[str]:
@@ -617,8 +616,6 @@ def advice(env: dict, system: str | None = None) -> list[str]:
     if windows:
         how = "It comes as a prebuilt wheel where one matches this torch; nothing is compiled on Windows."
     else:
-        from ..attention.capabilities import KERNELS
-
         built = [v for k, v in INSTALLED_BY_DEFAULT.items() if v in kernels and KERNELS[k].source == "build"]
         how = " ".join(filter(None, [
             built and f"Building {' and '.join(built)} needs the CUDA toolkit {cuda.split('.')[0]}.x, as torch's CUDA "

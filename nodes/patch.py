@@ -1,4 +1,4 @@
-"""Patching a model: the function the Patch Attention node calls, and the SpargeAttn tuning run.
+"""Patching a model: the function the Patch Attention node calls, and the sparse-attention tuning run.
 
 ``patch_model`` returns a clone whose ``transformer_options['optimized_attention_override']`` is an
 :class:`~.override.AttentionOverride` (see there for what it does per call), with an APPLY_MODEL wrapper (the NaN net
@@ -22,7 +22,7 @@ from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
 from .nan_net import ForwardWrapper, as_float, model_hides_nan, output_flag
 from .override import AttentionOverride, in_ranges
 
-__all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingError", "SampleWrapper", "SpargeSettings",
+__all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingError", "SampleWrapper", "SparseSettings",
            "as_float", "check_hook", "in_ranges", "model_hides_nan", "output_flag", "override_of", "parse_layers",
            "patch_model", "tune_model"]
 
@@ -67,9 +67,9 @@ def parse_layers(text: str) -> tuple[tuple[int, int | None], ...]:
 
 
 @dataclass
-class SpargeSettings:
-    """What a SpargeAttn Settings or Sol-Attn Settings node hands to :func:`patch_model` (``sparge``): the kernel, its
-    per-model options, and an optional per-layer profile."""
+class SparseSettings:
+    """What a SpargeAttn Settings or Sol-Attn Settings node hands to :func:`patch_model` (``sparse``): the sparse kernel,
+    its per-model options, and an optional per-layer profile."""
 
     variant: str
     options: dict
@@ -103,7 +103,7 @@ def patch_model(
     end_percent: float = 1.0,
     dense_layers: str = "",
     log_stats: bool = False,
-    sparge=None,
+    sparse: SparseSettings | None = None,
     auto_retune: bool = False,
     auto_min_cos: float | None = None,
     auto_max_rel_l1: float | None = None,
@@ -131,9 +131,9 @@ def patch_model(
     ranges = parse_layers(dense_layers)
     options = {}
     layer_options = None
-    if sparge is not None:
-        options[sparge.variant] = sparge.options
-        layer_options = sparge.layer_options
+    if sparse is not None:
+        options[sparse.variant] = sparse.options
+        layer_options = sparse.layer_options
     auto = exact = None
     if backend in (AUTO, AUTO_FAST):
         gate = {k: v for k, v in (("min_cos", gate_input(auto_min_cos, EARLIER_GATE[0], "auto_min_cos")),
@@ -162,16 +162,17 @@ def patch_model(
     if sparse_start_percent > 0.0 and backend != AUTO_EXACT and (backend in (AUTO, AUTO_FAST) or REGISTRY.get(backend).sparse):
         sparse_sigma = float(m.get_model_object("model_sampling").percent_to_sigma(sparse_start_percent))
     ov = AttentionOverride(cfg, sigma_range=sigma_range, dense_layers=ranges, layer_options=layer_options, log_stats=log_stats,
-                           report_error_every=getattr(sparge, "report_error_every", 0), previous=previous_override(m),
+                           report_error_every=getattr(sparse, "report_error_every", 0), previous=previous_override(m),
                            sparse_sigma=sparse_sigma)
     return install(m, ov)
 
 
 class TuningOverride(AttentionOverride):
-    """Tuning run: every call returns dense attention and measures SpargeAttn candidates; the profile is saved at the end.
-    The search is measurement code (:mod:`..measure.sparge_tune`), imported when a tuning run is built, never by
-    patching.  The run's progress (its steps) shows on the Tune Sparse Attention node (``node_id``), which ComfyUI
-    executed before the sampler that runs the tuning; the terminal's bar counts the tuned calls."""
+    """Tuning run: every call returns dense attention and measures sparse-kernel candidates (SpargeAttn's or
+    Sol-Attn's); the profile is saved at the end. The search is measurement code (:mod:`..measure.sparge_tune`),
+    imported when a tuning run is built, never by patching.  The run's progress (its steps) shows on the Tune Sparse
+    Attention node (``node_id``), which ComfyUI executed before the sampler that runs the tuning; the terminal's bar
+    counts the tuned calls."""
 
     def __init__(self, tuner, name: str, fingerprint: str, model_class: str, write=None, node_id: str | None = None):
         super().__init__(AttentionConfig(backend="sdpa"))

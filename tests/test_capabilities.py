@@ -130,3 +130,26 @@ def plan_ok(name, spec):
     from attention.constraints import plan
 
     return plan(REGISTRY.get(name).constraints, spec)[1] is None
+
+
+def test_a_backend_gets_its_package_window_and_may_narrow_it_never_widen_it():
+    from attention.constraints import ComputeCapability, DeviceTypes
+    from attention.registry import with_package_rules
+
+    rules = with_package_rules("sparge", (DeviceTypes(("cuda",)),))
+    assert rules[1] == ComputeCapability.of_kernel("spas_sage_attn")  # right after the device rule
+    assert with_package_rules("not_in_the_table", (DeviceTypes(("cuda",)),)) == (DeviceTypes(("cuda",)),)
+    for narrower in (ComputeCapability(min=(8, 9), max=(9, 0)), ComputeCapability(exact=((8, 6), (9, 0)))):
+        assert with_package_rules("sparge", (narrower,)) == (narrower,)  # its own rule, not the package's too
+    for wider in (ComputeCapability(min=(7, 5)), ComputeCapability(min=(8, 0)),
+                  ComputeCapability(exact=((9, 0), (10, 0)))):
+        with pytest.raises(ValueError, match="wider than its package spas_sage_attn runs on"):
+            with_package_rules("sparge", (wider,))  # SpargeAttn runs on 8.0 to 9.0
+
+
+def test_the_capability_table_names_only_registered_backends():
+    from attention.registry import Registry
+
+    REGISTRY.check_table()
+    with pytest.raises(ValueError, match="backends nobody registers: .*sage_fp8_sm90"):
+        Registry().check_table()

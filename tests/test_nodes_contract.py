@@ -41,7 +41,7 @@ def test_classic_input_types_follow_the_definitions():
     assert v1.NODE_DISPLAY_NAME_MAPPINGS["SpargeAttnSettings"] == "SpargeAttn Settings"
     for node in defs.NODES:
         for i in node.inputs:
-            if i.kind not in ("MODEL", defs.SPARGE_TYPE):
+            if i.kind not in ("MODEL", defs.SPARSE_SETTINGS_TYPE):
                 assert i.tooltip, f"{node.node_id}.{i.name} has no tooltip"
 
 

@@ -11,7 +11,6 @@ import sys
 import torch
 
 from ..constraints import (
-    ComputeCapability,
     DeviceTypes,
     DTypes,
     GroupedQuery,
@@ -121,7 +120,7 @@ REGISTRY.register(
         name="flash_attn2",
         family="flash",
         fn=_fa2,
-        constraints=COMMON + (ComputeCapability.of_kernel("flash_attn"), HeadDims(max=256, multiple_of=8)),
+        constraints=COMMON + (HeadDims(max=256, multiple_of=8),),
         layouts=("NHD",),
         probe=import_probe("flash_attn", attr="flash_attn_func"),
         description="flash-attn 2 (flash_attn_func)",
@@ -133,7 +132,7 @@ REGISTRY.register(
         name="flash_attn3",
         family="flash",
         fn=_fa3,
-        constraints=COMMON + (ComputeCapability.of_kernel("flash_attn3"), HeadDims(max=256, multiple_of=8)),
+        constraints=COMMON + (HeadDims(max=256, multiple_of=8),),
         layouts=("NHD",),
         probe=import_probe("flash_attn_interface", attr="flash_attn_func"),
         description="FlashAttention-3 for Hopper (flash_attn_interface)",
@@ -157,8 +156,7 @@ REGISTRY.register(
         name="flash_attn4",
         family="flash",
         fn=_fa4,
-        constraints=(DeviceTypes(("cuda",)), DTypes(HALF), Masks(()), GroupedQuery(True),
-                     ComputeCapability.of_kernel("flash_attn4"), FA4_HEAD_DIMS),
+        constraints=(DeviceTypes(("cuda",)), DTypes(HALF), Masks(()), GroupedQuery(True), FA4_HEAD_DIMS),
         layouts=("NHD",),
         probe=_fa4_probe,
         description="flash-attn-4 (CuTe DSL) for Hopper/Blackwell; first call per head dim compiles (1-2 s)",

@@ -16,7 +16,6 @@ from __future__ import annotations
 import torch
 
 from ..constraints import (
-    ComputeCapability,
     DeviceTypes,
     DTypes,
     GroupedQuery,
@@ -100,7 +99,6 @@ REGISTRY.register(
         fn=_kitchen,
         constraints=(
             DeviceTypes(("cuda",)),
-            ComputeCapability.of_kernel("comfy_kitchen"),
             DTypes((torch.float32, torch.float16, torch.bfloat16)),
             HeadDims(max=256),
             Masks(("bool", "float")),
@@ -116,7 +114,6 @@ REGISTRY.register(
 
 SOL_CONSTRAINTS = (
     DeviceTypes(("cuda",)),
-    ComputeCapability.of_kernel("comfy_kitchen_sol"),
     DTypes((torch.bfloat16, torch.float16)),  # fp32 computed in bf16 and cast back, as core's node does
     HeadDims(dims=(128,), pad=False),
     Masks(()),

@@ -108,7 +108,7 @@ _entry(
     "sage",
     _call("sageattn"),
     import_probe("sageattention", attr="sageattn"),
-    (ComputeCapability(min=(8, 0)), Masks(())),
+    (Masks(()),),
     "sageattn(): the library's own per-GPU pick (what other node packs call)",
     dims=_installed_dims(),
 )
@@ -116,7 +116,7 @@ _entry(
     "sage1_triton",
     _call("sageattn"),
     _sage1_probe,
-    (ComputeCapability.of_kernel("sageattention1"), Masks(())),
+    (Masks(()),),
     "SageAttention 1.0.6 (PyPI, Triton)",
     dims=SAGE1_DIMS,
 )
@@ -126,7 +126,7 @@ _entry(
     _sage_v2_probe(fn="sageattn_qk_int8_pv_fp16_triton"),
     # It accepts an attn_mask, but on the H100 every additive-mask call tried gave rel-L1 0.34-0.57 against SDPA
     # (head dims 40-128, 77-key cross-attention, bf16 and fp32, both layouts): masked calls go to the next backend.
-    (ComputeCapability(min=(8, 0)), Masks(())),
+    (Masks(()),),
     "SageAttention 2: INT8 QK, FP16 PV, Triton",
     smooth_k=True,
 )
@@ -135,7 +135,7 @@ _entry(
     _call("sageattn_qk_int8_pv_fp16_cuda", pv_accum_dtype="fp32"),
     _sage_v2_probe("SM80_ENABLED", "sageattn_qk_int8_pv_fp16_cuda"),
     # NaN for every single-key call on the H100 (contract matrix): such calls go to the next backend
-    (ComputeCapability(min=(8, 0)), Masks(()), MinSeqLen(kv=2)),
+    (Masks(()), MinSeqLen(kv=2)),
     "SageAttention 2: INT8 QK, FP16 PV (fp32 accumulation), CUDA",
     smooth_k=True,
 )
@@ -167,7 +167,7 @@ _entry(
     "sage3",
     _sage3,
     import_probe("sageattn3", attr="sageattn3_blackwell"),
-    (ComputeCapability.of_kernel("sageattn3"), Masks(())),
+    (Masks(()),),
     "SageAttention3 FP4 (Blackwell)",
     layouts=("HND",),
     accuracy="4bit",

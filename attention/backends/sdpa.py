@@ -146,5 +146,6 @@ REGISTRY.register(
         constraints=(DTypes(ALL), Masks(("bool", "float")), GroupedQuery(True)),
         probe=_probe("_scaled_dot_product_attention_math"),
         description="SDPA's unfused math kernel (slow, exact; its ATen op)",
+        timed=False,  # never faster than the fused kernels; auto's reference computes in fp32 SDPA anyway
     )
 )

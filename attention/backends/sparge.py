@@ -13,7 +13,6 @@ import importlib
 import torch
 
 from ..constraints import (
-    ComputeCapability,
     DeviceTypes,
     DTypes,
     GroupedQuery,
@@ -57,7 +56,6 @@ def _call(fn_name: str, defaults: dict):
 
 COMMON = (
     DeviceTypes(("cuda",)),
-    ComputeCapability.of_kernel("spas_sage_attn"),
     DTypes((torch.float16, torch.bfloat16)),
     HeadDims(dims=(64, 128)),
     Masks(()),

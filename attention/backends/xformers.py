@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from ..constraints import ComputeCapability, DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, SameHeadDimV
+from ..constraints import DeviceTypes, DTypes, GroupedQuery, HeadDims, Masks, SameHeadDimV
 from ..registry import REGISTRY, Availability, Backend, import_probe
 
 
@@ -50,7 +50,6 @@ REGISTRY.register(
         fn=_xformers,
         constraints=(
             DeviceTypes(("cuda",)),
-            ComputeCapability.of_kernel("xformers"),
             DTypes((torch.float32, torch.float16, torch.bfloat16)),
             HeadDims(max=256, multiple_of=8),
             Masks(("bool", "float")),
