@@ -22,6 +22,7 @@ from pack import load
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
 U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+E = importlib.import_module(P.__name__ + ".parallel.exchange")
 C = importlib.import_module(P.__name__ + ".parallel.context")
 F = torch.nn.functional
 
@@ -183,7 +184,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
     L = prefix + tokens + suffix
     q, k, v = rand_qkv(g, b, L, heads, kv_heads, d, d + 2)
     ref = whole(q, k, v)
-    lay = U.shard_layout(tokens, n, prefix, suffix)
+    lay = E.shard_layout(tokens, n, prefix, suffix)
     group = G.Group(["cpu"] * n, pipeline=pipeline)
 
     def local(t, r):
@@ -210,7 +211,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
 def test_a_failing_rank_stops_the_others_with_its_error():
     n = 3
     group = G.Group(["cpu"] * n)
-    lay = U.shard_layout(12, n)
+    lay = E.shard_layout(12, n)
     x = torch.randn(1, 4, 2, 4)
 
     def rank(r):
@@ -748,7 +749,7 @@ def test_a_staged_call_gives_what_the_call_at_once_gives():
     g = torch.Generator().manual_seed(3)
     n, heads, kv_heads, L = 3, 4, 2, 23
     q, k, v = rand_qkv(g, 2, L, heads, kv_heads, 8)
-    lay = U.shard_layout(L, n)
+    lay = E.shard_layout(L, n)
     group = G.Group(["cpu"] * n)
     calls = []
 
@@ -772,7 +773,7 @@ def test_a_staged_call_gives_what_the_call_at_once_gives():
         assert torch.allclose(staged, rank_rows(want, lay, r), atol=1e-5)
     assert 0 not in calls  # the third rank holds no key/value head: no kernel call for it
     with pytest.raises(RuntimeError, match="finished after 1 of q, k and v were sent"):
-        call = U.Staged(G.Group(["cpu"]), 0, U.shard_layout(L, 1), heads, kv_heads)
+        call = U.Staged(G.Group(["cpu"]), 0, E.shard_layout(L, 1), heads, kv_heads)
         call.send(q)
         call.finish(local)
 
