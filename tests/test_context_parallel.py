@@ -802,3 +802,17 @@ def test_wan_self_attention_replaced_by_another_node_is_left_to_it(zoo, monkeypa
         out = z.sample(_split(mod, base, 2), case)
     assert staged == [] and counts and len(ran) >= len(counts)
     assert rel_l1(out, ref) < 1e-5
+
+
+def test_a_family_unit_is_registered_by_naming_its_model_classes():
+    """Every Unit subclass of parallel/families/ that names its own diffusion-model classes is registered, once, with
+    no list to keep; a base shared by several (naming none of its own) is not a unit; no model class has two units."""
+    fam = importlib.import_module(P.__name__ + ".parallel.families")
+    names = [type(u).__name__ for u in fam.UNITS]
+    assert len(names) == len(set(names)) and {"FluxUnit", "WanUnit", "VaceUnit", "MageFlowUnit"} <= set(names)
+    assert "WanVariantUnit" not in names
+    claimed = [c for _, classes in fam.supported() for c in classes]
+    assert len(claimed) == len(set(claimed))
+    for unit in fam.UNITS:
+        for c in unit.classes:
+            assert fam.unit_for(type(c, (), {})()) is unit
