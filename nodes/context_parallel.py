@@ -12,9 +12,10 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
   model (unpatched, as ComfyUI leaves it before a copy), or, where it cannot be copied, samples on one GPU and says why.
 - **A SAMPLER_SAMPLE wrapper** (:class:`RunWrapper`): per sampling run, the GPUs' models and one worker thread per extra
   GPU; the run's messages (why a forward ran on one GPU) are said once.
-- **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
-  copied to each other GPU, to that GPU's model in its worker thread, with a :class:`~..parallel.context.RankContext`
-  in the forward's ``transformer_options`` and the family unit's block patches; it returns the first GPU's output.
+- **An APPLY_MODEL wrapper** (:class:`SplitForwardWrapper`), outermost: each forward of the first GPU hands the same
+  inputs, copied to each other GPU, to that GPU's model in its worker thread, with a
+  :class:`~..parallel.context.RankContext` in the forward's ``transformer_options`` and the family unit's block patches;
+  it returns the first GPU's output.
 - **torch.compile**: a forward it splits runs every GPU's model uncompiled (ComfyUI's TorchCompileModel wrapper left out
   of that forward's wrappers; the first GPU's too, through its model's ``apply_model`` as on the others).  TorchCompileModel
   keeps no guard on ``transformer_options``, so code it compiled for the model unsplit (an earlier run) would run again
@@ -37,7 +38,7 @@ from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
-from .hook import COMPILE_KEY, OVERRIDE_KEY, BoundWrapper, bind, host_function, take
+from .hook import COMPILE_KEY, OVERRIDE_KEY, SharedWrapper, bind, host_function, take
 
 log = logging.getLogger("patch_attention.parallel")
 
@@ -145,9 +146,8 @@ def _seq_len(t, a) -> int:
 class ContextParallel:
     """One Context Parallel node's choice, shared by the clones of its model (and their GPUs' copies)."""
 
-    def __init__(self, unit, gpus: int, cfg_split: bool = False, simulate: int = 0, min_tokens: int = 0):
+    def __init__(self, unit, cfg_split: bool = False, simulate: int = 0, min_tokens: int = 0):
         self.unit = unit
-        self.gpus = gpus  # how many GPUs the node asked for (0: all)
         self.cfg_split = cfg_split
         self.simulate = simulate  # tests: this many ranks on the model's own device, sharing its model
         self.min_tokens = min_tokens  # shorter sequences run on one GPU (MIN_SPLIT_TOKENS)
@@ -198,11 +198,18 @@ def _set_device(device) -> None:
         torch.cuda.set_device(device)
 
 
-class RunWrapper(BoundWrapper):
+class _Wrapper(SharedWrapper):
+    """A wrapper of the node's, bound to its :class:`ContextParallel`."""
+
+    def __init__(self, cp: ContextParallel):
+        self.cp = cp
+
+
+class RunWrapper(_Wrapper):
     """SAMPLER_SAMPLE wrapper: the run's GPUs and workers (see the module's docstring)."""
 
     def __call__(self, executor, *args, **kwargs):
-        cp = self.override
+        cp = self.cp
         # sampler.sample(guider, sigmas, extra_args, callback, noise, latent_image, denoise_mask, disable_pbar)
         guider = args[0] if args else kwargs.get("model_wrap")
         extra = args[2] if len(args) > 2 else kwargs.get("extra_args")
@@ -255,11 +262,11 @@ class RunWrapper(BoundWrapper):
         return groups, restore
 
 
-class ForwardWrapper(BoundWrapper):
+class SplitForwardWrapper(_Wrapper):
     """APPLY_MODEL wrapper (outermost): one forward split over its group's GPUs (see the module's docstring)."""
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
-        cp = self.override
+        cp = self.cp
         topts = transformer_options if transformer_options is not None else {}
         run = cp.run
         if CP_KEY in topts or run is None:  # a GPU's own share (or no run state: one GPU)
@@ -392,11 +399,14 @@ def _to(obj, device):
 
 # ---------------------------------------------------------------- the node
 
-class OneGpuNotice(BoundWrapper):
+class OneGpuNotice(SharedWrapper):
     """OUTER_SAMPLE wrapper of a model the node could not split: says why once per sampling run."""
 
+    def __init__(self, why: str):
+        self.why = why
+
     def __call__(self, executor, *args, **kwargs):
-        log.warning("%s: %s", NODE, self.override)
+        log.warning("%s: %s", NODE, self.why)
         return executor(*args, **kwargs)
 
 
@@ -445,7 +455,7 @@ def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int
         return m
     if min_tokens is None:
         min_tokens = 0 if simulate else MIN_SPLIT_TOKENS
-    cp = ContextParallel(unit, gpus, cfg_split, simulate, min_tokens)
+    cp = ContextParallel(unit, cfg_split, simulate, min_tokens)
     install(m, cp)
     return m
 
@@ -529,4 +539,4 @@ def install(m, cp: ContextParallel) -> None:
     m.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, RunWrapper(cp))
     wrappers = topts.setdefault("wrappers", {})
     rest = {k: v for k, v in wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).items() if k != WRAPPER_KEY}
-    wrappers[pe.WrappersMP.APPLY_MODEL] = {WRAPPER_KEY: [ForwardWrapper(cp)], **rest}
+    wrappers[pe.WrappersMP.APPLY_MODEL] = {WRAPPER_KEY: [SplitForwardWrapper(cp)], **rest}

@@ -467,7 +467,7 @@ def test_torch_compile_under_the_split(zoo, caplog, order):
     assert calls == [] and sorted(set(counts)) == [0, 1] and rel_l1(out, eager) == 0
     said = [r.getMessage() for r in caplog.records if "torch.compile is on" in r.getMessage()]
     assert len(said) == 1 and "split over GPUs run uncompiled" in said[0]  # once per run
-    fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").ForwardWrapper
+    fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").SplitForwardWrapper
     assert "ControlNet" in fw.why_not(object()) and fw.why_not(None) == ""
 
 
@@ -505,11 +505,11 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     clones = {d: Copy(i) for i, d in enumerate(devs)}
     opts = {"multigpu_clones": dict(clones)}
     for cfg_split, cfg in ((False, 5.0), (True, 1.0)):
-        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=cfg_split), opts, None, cfg)
+        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, cfg_split=cfg_split), opts, None, cfg)
         assert groups == [[(d, f"model{i}") for i, d in enumerate(devs)]] and "multigpu_clones" not in opts
         restore()
         assert opts["multigpu_clones"] == clones
-    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), opts, None, 5.0)
+    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, cfg_split=True), opts, None, 5.0)
     assert groups == [[(devs[0], "model0"), (devs[1], "model1")], [(devs[2], "model2"), (devs[3], "model3")]]
     assert list(opts["multigpu_clones"]) == [devs[0], devs[2]]
     restore()
@@ -517,7 +517,7 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     # two GPUs, CFG 5: a GPU per cond (CFG Split); three: two GPUs for the first cond, one for the second
     for n, sizes in ((2, [1, 1]), (3, [2, 1])):
         some = {"multigpu_clones": {d: clones[d] for d in devs[:n]}}
-        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), some, None, 5.0)
+        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, cfg_split=True), some, None, 5.0)
         assert [len(g) for g in groups] == sizes
         restore()
 
