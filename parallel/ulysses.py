@@ -3,7 +3,9 @@
 Each rank holds its share of the tokens for every head.  Before the kernel, an all-to-all gives each rank every token
 for its share of the heads; the kernel (any backend: the dispatcher, ``auto``, ComfyUI's own function) runs unchanged
 on ``[B, all tokens, its heads, D]``; an all-to-all gives each rank its tokens back, for every head.  Every head's
-attention is computed on one device over the whole sequence, as on one GPU.
+attention is computed on one device over the whole sequence, as on one GPU.  The all-to-all itself, both ways, is
+:mod:`.exchange`; this module is the layer that reads "exchange, local kernel, exchange back" around it, with what
+differs by call: which mask travels how, in how many parts, and q, k and v sent one by one (:class:`Staged`).
 
 - **Heads that do not divide by the ranks** are split unevenly (40 heads on 3 GPUs: 14, 13, 13): still exact, at most
   one head of imbalance; with more ranks than heads some ranks hold none.  Grouped-query calls (fewer K/V heads) are
