@@ -11,10 +11,11 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
   reload function; for a model whose loader registers none (ComfyUI-GGUF's), the clone gets one that copies the loaded
   model (unpatched, as ComfyUI leaves it before a copy), or, where it cannot be copied, samples on one GPU and says why.
 - **A SAMPLER_SAMPLE wrapper** (:class:`RunWrapper`): per sampling run, the GPUs' models and one worker thread per extra
-  GPU; the run's messages (why a forward ran on one GPU) are said once.
-- **An APPLY_MODEL wrapper** (:class:`ForwardWrapper`), outermost: each forward of the first GPU hands the same inputs,
-  copied to each other GPU, to that GPU's model in its worker thread, with a :class:`~..parallel.context.RankContext`
-  in the forward's ``transformer_options`` and the family unit's block patches; it returns the first GPU's output.
+  GPU; the run's messages (why a forward ran on one GPU) are said once, in the log and in the node's box on the canvas.
+- **An APPLY_MODEL wrapper** (:class:`SplitForwardWrapper`), outermost: each forward of the first GPU hands the same
+  inputs, copied to each other GPU, to that GPU's model in its worker thread, with a
+  :class:`~..parallel.context.RankContext` in the forward's ``transformer_options`` and the family unit's block patches;
+  it returns the first GPU's output.
 - **torch.compile**: a forward it splits runs every GPU's model uncompiled (ComfyUI's TorchCompileModel wrapper left out
   of that forward's wrappers; the first GPU's too, through its model's ``apply_model`` as on the others).  TorchCompileModel
   keeps no guard on ``transformer_options``, so code it compiled for the model unsplit (an earlier run) would run again
@@ -23,12 +24,16 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
   (:mod:`..parallel.ulysses`) around whatever was on the hook: Patch Attention (any backend, ``auto``), another
   override, or ComfyUI's own attention; calls from a sequence every GPU holds whole to the split one get the split
   sequence's keys and values from every GPU.  It stays on top whichever node is applied first.
+
+Where it cannot split (no CUDA GPU, one GPU, a model family without a unit, ComfyUI before 0.33, a model that cannot be
+copied) the clone samples as the model does, and the node says why on the canvas and in the log (:func:`split_model`).
 """
 
 from __future__ import annotations
 
 import concurrent.futures
 import logging
+import sys
 import threading
 
 import torch
@@ -37,7 +42,8 @@ from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
-from .hook import COMPILE_KEY, OVERRIDE_KEY, BoundWrapper, bind, host_function, take
+from .hook import COMPILE_KEY, OVERRIDE_KEY, SharedWrapper, bind, host_function, take
+from .progress import executing_node
 
 log = logging.getLogger("patch_attention.parallel")
 
@@ -145,26 +151,53 @@ def _seq_len(t, a) -> int:
 class ContextParallel:
     """One Context Parallel node's choice, shared by the clones of its model (and their GPUs' copies)."""
 
-    def __init__(self, unit, gpus: int, cfg_split: bool = False, simulate: int = 0, min_tokens: int = 0):
+    def __init__(self, unit, cfg_split: bool = False, simulate: int = 0, min_tokens: int = 0, note: str = "",
+                 node: str | None = None):
         self.unit = unit
-        self.gpus = gpus  # how many GPUs the node asked for (0: all)
         self.cfg_split = cfg_split
         self.simulate = simulate  # tests: this many ranks on the model's own device, sharing its model
         self.min_tokens = min_tokens  # shorter sequences run on one GPU (MIN_SPLIT_TOKENS)
+        self.note = note  # what the node shows on the canvas (split_model)
+        self.node = node  # the node's id in ComfyUI's prompt (None outside ComfyUI's executor)
         self._lock = threading.Lock()
         self.run = None  # the current sampling run (read by forwards in any thread)
 
     def __deepcopy__(self, memo):
         return self
 
-    def say(self, key: str, msg: str, *a) -> None:
+    def say(self, key: str, msg: str, show: bool = False) -> None:
+        """``msg`` in the log once per sampling run (``key``: which message); with ``show``, also under the node's own
+        text in its box on the canvas."""
         run = self.run
+        lines = None
         if run is not None:
             with self._lock:
                 if key in run.said:
                     return
                 run.said.add(key)
-        log.warning(msg, *a)
+                if show:
+                    run.shown.append(msg[:1].upper() + msg[1:] + ".")
+                    lines = [self.note, *run.shown]
+        log.warning("%s: %s", NODE, msg)
+        if lines:
+            show_on_node(self.node, "\n".join(lines))
+
+
+def show_on_node(node: str | None, text: str) -> None:
+    """``text`` in node ``node``'s box on the canvas (web/patch_attention.js) while ComfyUI runs a prompt: the message
+    ComfyUI's executor sends for a node's page output, sent by its server to the prompt's client.  Nothing outside a
+    prompt (no executing node) or without ComfyUI's server."""
+    try:
+        from comfy_execution.utils import get_executing_context
+    except ImportError:
+        return
+    running = get_executing_context()
+    server = getattr(sys.modules.get("server"), "PromptServer", None)
+    server = getattr(server, "instance", None)
+    if node is None or running is None or server is None:
+        return
+    server.send_sync("executed", {"node": node, "display_node": node, "output": {"text": [text]},
+                                  "prompt_id": running.prompt_id}, server.client_id)
 
 
 class Run:
@@ -180,6 +213,7 @@ class Run:
                     1, thread_name_prefix=f"context-parallel-{dev}", initializer=_set_device, initargs=(dev,))
         self.grad, self.inference = grad, inference
         self.said = set()
+        self.shown = []  # what the run said on the canvas, in order
         self.forwards = self.split_forwards = 0
 
     def patch_models(self, unit, undo: list) -> None:
@@ -198,11 +232,18 @@ def _set_device(device) -> None:
         torch.cuda.set_device(device)
 
 
-class RunWrapper(BoundWrapper):
+class _Wrapper(SharedWrapper):
+    """A wrapper of the node's, bound to its :class:`ContextParallel`."""
+
+    def __init__(self, cp: ContextParallel):
+        self.cp = cp
+
+
+class RunWrapper(_Wrapper):
     """SAMPLER_SAMPLE wrapper: the run's GPUs and workers (see the module's docstring)."""
 
     def __call__(self, executor, *args, **kwargs):
-        cp = self.override
+        cp = self.cp
         # sampler.sample(guider, sigmas, extra_args, callback, noise, latent_image, denoise_mask, disable_pbar)
         guider = args[0] if args else kwargs.get("model_wrap")
         extra = args[2] if len(args) > 2 else kwargs.get("extra_args")
@@ -255,11 +296,11 @@ class RunWrapper(BoundWrapper):
         return groups, restore
 
 
-class ForwardWrapper(BoundWrapper):
+class SplitForwardWrapper(_Wrapper):
     """APPLY_MODEL wrapper (outermost): one forward split over its group's GPUs (see the module's docstring)."""
 
     def __call__(self, executor, x, t, c_concat=None, c_crossattn=None, control=None, transformer_options=None, **kwargs):
-        cp = self.override
+        cp = self.cp
         topts = transformer_options if transformer_options is not None else {}
         run = cp.run
         if CP_KEY in topts or run is None:  # a GPU's own share (or no run state: one GPU)
@@ -271,7 +312,7 @@ class ForwardWrapper(BoundWrapper):
             run.forwards += 1
         why = self.why_not(control)
         if why:
-            cp.say(why, "%s: this forward runs on one GPU: %s", NODE, why)
+            cp.say(why, f"a forward runs on one GPU: {why}", show=True)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         group = Group([d for d, _ in ranks], min_tokens=cp.min_tokens)
         keys = cp.unit.block_keys(ranks[0][1].diffusion_model)
@@ -282,8 +323,8 @@ class ForwardWrapper(BoundWrapper):
         # wrapper (the first GPU's executor would run the compiled module: see the module's docstring)
         uncompiled = COMPILE_KEY in topts.get("wrappers", {}).get("apply_model", {})
         if uncompiled:
-            cp.say("compile", "%s: torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they "
-                   "measured no faster: docs/multi-gpu.md); forwards on one GPU stay compiled", NODE)
+            cp.say("compile", "torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they measured no "
+                   "faster: docs/multi-gpu.md); forwards on one GPU stay compiled")
         futures = []
         for r in range(1, group.size):
             dev, model = ranks[r]
@@ -309,7 +350,7 @@ class ForwardWrapper(BoundWrapper):
             with cp._lock:
                 run.split_forwards += 1
         else:
-            cp.say("whole:" + ctxs[0].why, "%s: a forward of %s ran on one GPU: %s", NODE, cp.unit.name, ctxs[0].why)
+            cp.say("whole:" + ctxs[0].why, f"a forward of {cp.unit.name} ran on one GPU: {ctxs[0].why}", show=True)
         return out
 
     @staticmethod
@@ -392,11 +433,14 @@ def _to(obj, device):
 
 # ---------------------------------------------------------------- the node
 
-class OneGpuNotice(BoundWrapper):
+class OneGpuNotice(SharedWrapper):
     """OUTER_SAMPLE wrapper of a model the node could not split: says why once per sampling run."""
 
+    def __init__(self, why: str):
+        self.why = why
+
     def __call__(self, executor, *args, **kwargs):
-        log.warning("%s: %s", NODE, self.override)
+        log.warning("%s: %s", NODE, self.why)
         return executor(*args, **kwargs)
 
 
@@ -409,45 +453,76 @@ MIN_SPLIT_TOKENS = 16384
 
 
 def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0, min_tokens: int | None = None):
+    """:func:`split_model`'s clone alone."""
+    return split_model(model, gpus, cfg_split, simulate, min_tokens)[0]
+
+
+def split_model(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0, min_tokens: int | None = None):
     """A clone of ``model`` whose sampling runs split each forward's tokens over ``gpus`` GPUs (0: all); with
     ``cfg_split``, conds run on separate groups of GPUs.  ``simulate``: tests, that many ranks on the model's device.
     ``min_tokens``: forwards with fewer tokens to split run on one GPU and say so (None: :data:`MIN_SPLIT_TOKENS` on
-    GPUs, none when simulated).  Where it cannot split (one GPU, ComfyUI before 0.33, a model family without a unit) it
-    returns a clone that says why when sampling starts."""
+    GPUs, none when simulated).  Where it cannot split (no CUDA GPU, one GPU, a model family without a unit, ComfyUI
+    before 0.33, a model that cannot be copied) the clone says why when sampling starts.
+
+    Returns the clone and what the node shows on the canvas: what it splits over how many GPUs, or why it cannot."""
     import comfy.patcher_extension as pe
 
     m = model.clone()
-    dm = model.model.diffusion_model
-    unit = unit_for(dm)
-    why = ""
-    if unit is None:
-        fams = "; ".join(f"{name}" for name, _ in supported())
-        why = (f"{type(model.model).__name__} ({type(dm).__module__}.{type(dm).__name__}) has no context-parallel unit "
-               f"(supported: {fams}): it samples on one GPU")
-    elif not simulate:
-        try:
-            import comfy.multigpu  # noqa: F401 - only whether it is there (_with_copies uses it)
-        except ImportError:
-            why = "splitting a model over GPUs needs ComfyUI 0.33 or later (its MultiGPU model copies): one GPU"
-        else:
-            import comfy.model_management as mm
-
-            devices = mm.get_all_torch_devices()
-            n = len(devices) if gpus <= 0 else min(gpus, len(devices))
-            if n < 2:
-                why = f"{len(devices)} GPU{'s' if len(devices) != 1 else ''} here: nothing to split over"
-            else:
-                m, why = _with_copies(m, n)
+    unit = unit_for(model.model.diffusion_model)
+    n, why = (simulate, "") if simulate else _gpus_here(gpus)
+    why = why or (_no_unit(model) if unit is None else "") or ("" if simulate else _no_multigpu())
+    if not why and not simulate:
+        m, why = _with_copies(m, n)
     m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     if why:
         log.warning("%s: %s", NODE, why)
         m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, OneGpuNotice(why))
-        return m
+        return m, why[:1].upper() + why[1:] + "."
     if min_tokens is None:
         min_tokens = 0 if simulate else MIN_SPLIT_TOKENS
-    cp = ContextParallel(unit, gpus, cfg_split, simulate, min_tokens)
-    install(m, cp)
-    return m
+    steps = f"each step of {min_tokens:,} tokens or more" if min_tokens else "each step"
+    note = f"{unit.name}: {steps} split over {n} GPUs" + ("; above CFG 1, each prompt on half of them." if cfg_split else ".")
+    install(m, ContextParallel(unit, cfg_split, simulate, min_tokens, note, executing_node()))
+    return m, note
+
+
+def _gpus_here(gpus: int) -> tuple[int, str]:
+    """How many of ComfyUI's GPUs a split runs on (``gpus``; 0: all of them), and why it cannot ("": it can)."""
+    import comfy.model_management as mm
+
+    if hasattr(mm, "get_all_torch_devices"):
+        devices = mm.get_all_torch_devices()
+    else:  # before ComfyUI 0.33: its device, and the other CUDA GPUs beside it
+        first = mm.get_torch_device()
+        devices = [torch.device("cuda", i) for i in range(torch.cuda.device_count())] if first.type == "cuda" else [first]
+    n = len(devices) if gpus <= 0 else min(gpus, len(devices))
+    if n >= 2:
+        return n, ""
+    if len(devices) >= 2:
+        return n, f"the gpus input is {gpus}, of the {len(devices)} GPUs here: nothing to split over (0: all of them)"
+    if devices[0].type != "cuda":
+        if torch.cuda.is_available():
+            return n, f"ComfyUI runs on {devices[0].type} here, not on CUDA: Context Parallel needs two or more CUDA GPUs"
+        return n, "no CUDA GPU here: Context Parallel needs two or more"
+    return n, f"one GPU here ({torch.cuda.get_device_name(devices[0])}): Context Parallel needs two or more"
+
+
+def _no_unit(model) -> str:
+    """Why a model of a family without a unit samples on one GPU, naming the families that have one."""
+    config = getattr(model.model, "model_config", None)
+    family = type(config if config is not None else model.model).__name__
+    units = "; ".join(name for name, _ in supported())
+    return (f"{family} ({type(model.model.diffusion_model).__name__}) has no Context Parallel unit, so it samples on one "
+            f"GPU. Models with one: {units}")
+
+
+def _no_multigpu() -> str:
+    """Why this ComfyUI cannot give the other GPUs a copy of the model ("": it can)."""
+    try:
+        import comfy.multigpu  # noqa: F401 - only whether it is there (_with_copies uses it)
+    except ImportError:
+        return "splitting a model over GPUs needs ComfyUI 0.33 or later (its MultiGPU model copies): one GPU"
+    return ""
 
 
 class CopyFailed(Exception):
@@ -529,4 +604,4 @@ def install(m, cp: ContextParallel) -> None:
     m.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, RunWrapper(cp))
     wrappers = topts.setdefault("wrappers", {})
     rest = {k: v for k, v in wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).items() if k != WRAPPER_KEY}
-    wrappers[pe.WrappersMP.APPLY_MODEL] = {WRAPPER_KEY: [ForwardWrapper(cp)], **rest}
+    wrappers[pe.WrappersMP.APPLY_MODEL] = {WRAPPER_KEY: [SplitForwardWrapper(cp)], **rest}

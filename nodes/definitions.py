@@ -68,11 +68,20 @@ class Node:
     # True or the reason; an input it names skips core's own check (a profile list accepts the empty name of old files)
     validate: Callable | None = None
     search_aliases: list = field(default_factory=list)  # what people type into the node search for this node
+    # the function returns, after the outputs, a line of text the node shows on the canvas (web/patch_attention.js:
+    # NOTE_NODES), e.g. why it changed nothing on this machine
+    note: bool = False
 
     @property
     def report(self) -> bool:
         """The node shows its first output, a text report, on the canvas after it runs."""
         return self.output_node and bool(self.outputs) and self.outputs[0][0] == "STRING"
+
+    def shown(self, result) -> tuple:
+        """The node function's result as (its outputs, the text the node shows on the canvas or None)."""
+        if self.note:
+            return tuple(result[:-1]), result[-1]
+        return result, (result[0] if self.report else None)
 
     def run(self, **kwargs):
         """The node function on the inputs ComfyUI hands over (earlier input ids mapped to the current ones). A bad
@@ -664,9 +673,9 @@ INFO = Node(
 # ---------------------------------------------------------------- Context Parallel
 
 def run_context_parallel(model, gpus=0, cfg_split=True):
-    from .context_parallel import context_parallel
+    from .context_parallel import split_model
 
-    return (context_parallel(model, gpus=int(gpus), cfg_split=bool(cfg_split)),)
+    return split_model(model, gpus=int(gpus), cfg_split=bool(cfg_split))  # the model, and the text for the canvas
 
 
 def context_parallel_description() -> str:
@@ -675,7 +684,7 @@ def context_parallel_description() -> str:
     return ("Splits each sampling step of one image or video over several GPUs of this machine (the tokens, with "
             "attention exchanged between the GPUs), with any Patch Attention backend before or after it. Supported: "
             + "; ".join(name for name, _ in supported()) + ". Other models, steps with fewer than 16,384 tokens to split "
-            "(images, short clips: faster on one GPU) and machines with one GPU sample on one GPU and the log says why. "
+            "(images, short clips: faster on one GPU) and machines with one GPU sample on one GPU, and the node says why. "
             "Every GPU holds a whole copy of the model (LoRA, fp8-scaled and GGUF models too). Needs ComfyUI 0.33 or "
             "later.")
 
@@ -693,6 +702,7 @@ CONTEXT_PARALLEL = Node(
     ],
     outputs=[("MODEL", "model")],
     fn=run_context_parallel,
+    note=True,
     search_aliases=["multi gpu", "multigpu", "multiple gpus", "two gpus", "2 gpus", "context parallel",
                     "sequence parallel", "ulysses", "usp", "xdit", "distributed", "speed up", "faster"],
 )

@@ -120,15 +120,19 @@ def take(args):
     return (args[0].take(), args[1].take(), args[2].take(), *args[3:])
 
 
-class BoundWrapper:
-    """A ModelPatcher wrapper bound to one override: shared, not copied, when ComfyUI deep-copies model options (every
-    clone, and every GPU's clone of a MultiGPU split, runs the same one)."""
-
-    def __init__(self, override):
-        self.override = override
+class SharedWrapper:
+    """A ModelPatcher wrapper shared, not copied, when ComfyUI deep-copies model options (every clone, and every GPU's
+    clone of a MultiGPU split, runs the same one)."""
 
     def __deepcopy__(self, memo):
         return self
+
+
+class BoundWrapper(SharedWrapper):
+    """A wrapper of Patch Attention's, bound to its attention override."""
+
+    def __init__(self, override):
+        self.override = override
 
 
 def describe(override) -> str:

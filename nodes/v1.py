@@ -28,9 +28,9 @@ def make_class(node: Node):
         return {"required": req, "optional": opt} if opt else {"required": req}
 
     def run(self, **kwargs):
-        result = node.run(**kwargs)
-        if node.report:  # drawn on the node by web/patch_attention.js
-            return {"ui": {"text": (result[0],)}, "result": result}
+        result, text = node.shown(node.run(**kwargs))
+        if text is not None:  # drawn on the node by web/patch_attention.js
+            return {"ui": {"text": (text,)}, "result": result}
         return result
 
     attrs = {

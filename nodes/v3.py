@@ -60,9 +60,9 @@ def make_class(node: Node):
         )
 
     def execute(cls, **kwargs):
-        result = node.run(**kwargs)
-        if node.report:  # drawn on the node by web/patch_attention.js
-            return io.NodeOutput(*result, ui=ui.PreviewText(result[0]))
+        result, text = node.shown(node.run(**kwargs))
+        if text is not None:  # drawn on the node by web/patch_attention.js
+            return io.NodeOutput(*result, ui=ui.PreviewText(text))
         return io.NodeOutput(*result)
 
     attrs = {"define_schema": classmethod(define_schema), "execute": classmethod(execute)}

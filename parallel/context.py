@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import torch
 
+from .exchange import Layout
 from .group import Group, split
-from .ulysses import Layout, RowMasks, Staged, ulysses
+from .ulysses import RowMasks, Staged, ulysses
 
 CP_KEY = "patch_attention_context_parallel"
 

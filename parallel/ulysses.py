@@ -3,7 +3,9 @@
 Each rank holds its share of the tokens for every head.  Before the kernel, an all-to-all gives each rank every token
 for its share of the heads; the kernel (any backend: the dispatcher, ``auto``, ComfyUI's own function) runs unchanged
 on ``[B, all tokens, its heads, D]``; an all-to-all gives each rank its tokens back, for every head.  Every head's
-attention is computed on one device over the whole sequence, as on one GPU.
+attention is computed on one device over the whole sequence, as on one GPU.  The all-to-all itself, both ways, is
+:mod:`.exchange`; this module is the layer that reads "exchange, local kernel, exchange back" around it, with what
+differs by call: which mask travels how, in how many parts, and q, k and v sent one by one (:class:`Staged`).
 
 - **Heads that do not divide by the ranks** are split unevenly (40 heads on 3 GPUs: 14, 13, 13): still exact, at most
   one head of imbalance; with more ranks than heads some ranks hold none.  Grouped-query calls (fewer K/V heads) are
@@ -31,27 +33,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .exchange import KV, Cut, Exchange, Layout
 from .group import Group, split
-
-
-@dataclass(frozen=True)
-class Layout:
-    """One forward's attention sequence on each rank: ``prefix`` tokens held whole, the rank's shard, ``suffix`` tokens
-    held whole.  ``shards``: (start, count) of every rank's shard within the split part."""
-
-    prefix: int
-    shards: tuple
-    suffix: int = 0
-
-    def local_len(self, rank: int) -> int:
-        return self.prefix + self.shards[rank][1] + self.suffix
-
-    @property
-    def full_len(self) -> int:
-        return self.prefix + sum(c for _, c in self.shards) + self.suffix
-
-    def with_ends(self, prefix: int, suffix: int = 0) -> Layout:
-        return Layout(prefix, self.shards, suffix)
 
 
 @dataclass(frozen=True)
@@ -89,10 +72,6 @@ class RowMasks:
         return masked
 
 
-def shard_layout(tokens: int, ranks: int, prefix: int = 0, suffix: int = 0) -> Layout:
-    return Layout(prefix, tuple(split(tokens, ranks)), suffix)
-
-
 @torch.compiler.disable  # under torch.compile: a graph break; the exchange and the kernel run as they are
 def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, masks: RowMasks | None = None):
     """Attention of this rank's tokens over every rank's tokens.
@@ -112,115 +91,61 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     ``masks`` (:class:`RowMasks`): the kernel is called as ``local(q, k, v, mask=...)`` once per range of query rows
     (``q`` those rows only, a view).  A key mask and row masks together are refused.
     """
-    b, _, h, d = q.shape
-    hk, dv = k.shape[2], v.shape[3]
-    if h % hk:
-        raise ValueError(f"{h} query heads do not group over {hk} key/value heads")
-    if mask is not None and masks is not None:
+    ex = Exchange(group, rank, layout, q.shape[2], k.shape[2])
+    key_mask, whole_mask = _masks(mask, masks, layout, k.shape[1], q.shape[2])
+    a, c = ex.mine
+    if whole_mask is not None:
+        whole_mask = rank_mask(whole_mask, layout.full_len, q.shape[2], ex.g * a, ex.g * c)
+    tensors, cuts = (q, k, v), (ex.query(), KV, KV)
+    if key_mask is not None:  # its columns travel with the keys (with a head dimension: this rank's query heads)
+        tensors, cuts = tensors + (key_mask,), cuts + (_key_mask_cut(key_mask, ex.g),)
+    # the heads in parts, each exchanged while the kernel runs on the one before (a call with a mask: one part)
+    plain = key_mask is None and whole_mask is None and masks is None
+    parts = split(c, group.pipeline or PIPELINE_PARTS) if plain else [(0, c)]
+    kernel = _kernel(local, key_mask is not None, whole_mask, masks)
+
+    received = ex.to_heads(tensors, cuts, parts)
+    out = None
+    for i, (_, n) in enumerate(parts):
+        bufs = ex.receive(received, i)
+        of = kernel(bufs) if n else bufs[2]  # a part of no heads (more ranks than heads): no kernel, an empty output
+        del bufs  # the kernel's inputs go before the output is exchanged
+        out = ex.to_tokens(of, out, i, len(parts))
+        del of
+    return ex.done(out)
+
+
+def _masks(mask, masks: RowMasks | None, layout: Layout, local_keys: int, heads: int):
+    """The call's ``mask`` as (a key mask to exchange with the keys, a mask made for the whole sequence), at most one of
+    them; a clear error where it cannot go through the exchange."""
+    if mask is None:
+        return None, None
+    if masks is not None:
         raise ValueError("a key mask and masks over query rows in one call: not supported by the exchange")
-    why = mask_problem(mask, k.shape[1], layout.full_len, h) if mask is not None else None
+    full = layout.full_len
+    why = mask_problem(mask, local_keys, full, heads)
     if why:
         raise ValueError(why)
-    g = h // hk
-    kv_heads = split(hk, group.size)
-    full, p, sfx = layout.full_len, layout.prefix, layout.suffix
-    a, c = kv_heads[rank]
-    whole_mask = None
-    if mask is not None and mask.shape[-1] == full and (full != k.shape[1] or mask.shape[-2] != 1):
-        # made for the whole sequence (with one query row and one rank the two kinds are the same)
-        whole_mask, mask = rank_mask(mask, full, h, g * a, g * c), None
-    dev = q.device
-    # the heads in parts, each exchanged while the kernel runs on the one before (no mask: one part with a mask)
-    parts = split(c, group.pipeline or PIPELINE_PARTS) if mask is None and whole_mask is None and masks is None \
-        else [(0, c)]
-    recv = group.receiving(rank)
-    bufs = [[torch.empty(b, full, g * n, d, dtype=q.dtype, device=dev), torch.empty(b, full, n, d, dtype=k.dtype, device=dev),
-             torch.empty(b, full, n, dv, dtype=v.dtype, device=dev)] for _, n in parts]
-    posted, mask_heads = (q, k, v), False
-    if mask is not None:
-        mask_heads = mask.ndim == 4 and mask.shape[1] > 1  # a head dimension: this rank's query heads
-        mshape = (*mask.shape[:-3], g * c if mask_heads else mask.shape[-3], 1, full) if mask.ndim > 2 else (1, full)
-        bufs[0].append(torch.empty(mshape, dtype=mask.dtype, device=dev))
-        posted += (mask,)
-    compute = torch.cuda.current_stream(dev) if recv is not None else None
-    if recv is not None:
-        recv.wait_stream(compute)  # the buffers were made on the compute stream
-
-    def mask_cols(m, cols):  # a rank's mask columns ``cols``, its heads only
-        return m[:, g * a:g * (a + c), :, cols] if mask_heads else m[..., cols]
-
-    def fill_in(peer, tensors, copy, part, pbufs):
-        qf, kf, vf = pbufs[:3]
-        qp, kp, vp = tensors[:3]
-        lo, hi = a + part[0], a + part[0] + part[1]
-        s0, sc = layout.shards[peer]
-        if sc:
-            rows = slice(p + s0, p + s0 + sc)
-            src = slice(p, p + sc)
-            copy(qf[:, rows], qp[:, src, g * lo:g * hi])
-            copy(kf[:, rows], kp[:, src, lo:hi])
-            copy(vf[:, rows], vp[:, src, lo:hi])
-            if mask is not None:
-                copy(pbufs[3][..., rows], mask_cols(tensors[3], src))
-        if peer == rank:  # the tokens every rank holds whole: from this rank's own copy
-            for dst_rows, src_rows in _ends(p, sfx, full, q.shape[1]):
-                copy(qf[:, dst_rows], q[:, src_rows, g * lo:g * hi])
-                copy(kf[:, dst_rows], k[:, src_rows, lo:hi])
-                copy(vf[:, dst_rows], v[:, src_rows, lo:hi])
-                if mask is not None:
-                    copy(pbufs[3][..., dst_rows], mask_cols(mask, src_rows))
-
-    got = group.post(rank, posted)
-    arrived = []
-    for part, pbufs in zip(parts, bufs):
-        if part[1]:
-            for peer in range(group.size):
-                fill_in(peer, got[peer][0], group.puller(rank, peer, got, recv), part, pbufs)
-        arrived.append(recv.record_event() if recv is not None else None)
-    del got
-    out = None
-    for i, (part, event) in enumerate(zip(parts, arrived)):
-        if event is not None:
-            compute.wait_event(event)
-        if not part[1]:
-            of = torch.empty(b, full, 0, dv, dtype=v.dtype, device=dev)
-        elif mask is not None:
-            of = local(*bufs[i][:3], mask=bufs[i][3])
-        elif whole_mask is not None:
-            of = local(*bufs[i], mask=whole_mask)
-        else:
-            of = (masks.around(local) if masks is not None else local)(*bufs[i])
-        bufs[i] = None  # the kernel's inputs go before the output is exchanged
-        if out is None:
-            out = torch.empty(b, q.shape[1], h, dv, dtype=of.dtype, device=dev)
-            if recv is not None:
-                recv.wait_stream(compute)  # ``out`` was made on the compute stream
-        _back(group, rank, layout, kv_heads, g, of, out, recv, i, len(parts))
-        del of
-    if recv is not None:
-        compute.wait_stream(recv)
-    return out
+    # made for the whole sequence (with one query row and one rank the two kinds are the same)
+    if mask.shape[-1] == full and (full != local_keys or mask.shape[-2] != 1):
+        return None, mask
+    return mask, None
 
 
-def _back(group: Group, rank: int, layout: Layout, kv_heads: list, g: int, of, out, recv, part: int = 0,
-          parts: int = 1) -> None:
-    """The kernel's output ``of`` (``[B, L, h, Dv]``: every token, this rank's heads, or part ``part`` of ``parts`` of
-    them) to every rank, and every rank's into this rank's ``out`` (``[B, L_r, H, Dv]``: its tokens, every head)."""
-    p, sfx, full = layout.prefix, layout.suffix, layout.full_len
-    s0, sc = layout.shards[rank]
-    back = group.post(rank, (of,))
-    for peer in range(group.size):
-        (op,) = back[peer][0]
-        pa, pc = kv_heads[peer]
-        pl, pn = split(pc, parts)[part]
-        if pn == 0:
-            continue
-        heads = slice(g * (pa + pl), g * (pa + pl + pn))
-        copy = group.puller(rank, peer, back, recv)
-        if sc:
-            copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
-        for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1]):
-            copy(out[:, dst_rows, heads], op[:, src_rows])
+def _key_mask_cut(mask, g: int) -> Cut:
+    """Where a key mask has its keys and, with a head dimension (``[B, H, 1, L_r]``), its query heads."""
+    return Cut(-1, 1, g) if mask.ndim == 4 and mask.shape[1] > 1 else Cut(-1)
+
+
+def _kernel(local, key_mask: bool, whole_mask, masks: RowMasks | None):
+    """The local kernel on one part's buffers (q, k, v and, with ``key_mask``, the exchanged mask)."""
+    if key_mask:
+        return lambda bufs: local(*bufs[:3], mask=bufs[3])
+    if whole_mask is not None:
+        return lambda bufs: local(*bufs, mask=whole_mask)
+    if masks is not None:
+        return lambda bufs, masked=masks.around(local): masked(*bufs)
+    return lambda bufs: local(*bufs)
 
 
 class Staged:
@@ -234,11 +159,7 @@ class Staged:
     each send is a rendezvous."""
 
     def __init__(self, group: Group, rank: int, layout: Layout, heads: int, kv_heads: int):
-        if heads % kv_heads:
-            raise ValueError(f"{heads} query heads do not group over {kv_heads} key/value heads")
-        self.group, self.rank, self.layout = group, rank, layout
-        self.g, self.kv = heads // kv_heads, split(kv_heads, group.size)
-        self.recv = group.receiving(rank)
+        self.ex = Exchange(group, rank, layout, heads, kv_heads)
         self.bufs = []
 
     @staticmethod
@@ -249,40 +170,23 @@ class Staged:
 
     def send(self, t) -> None:
         """The next of q, k, v: posted, and every rank's tokens of this rank's heads pulled into a buffer."""
-        g = self.g if not self.bufs else 1  # q: the query heads of this rank's key/value heads
-        a, c = self.kv[self.rank]
-        lay = self.layout
-        buf = torch.empty(t.shape[0], lay.full_len, g * c, t.shape[3], dtype=t.dtype, device=t.device)
-        if self.recv is not None:
-            self.recv.wait_stream(torch.cuda.current_stream(t.device))  # ``buf`` was made on the compute stream
-        got = self.group.post(self.rank, (t,))
-        for peer, (s0, sc) in enumerate(lay.shards):
-            if sc:
-                copy = self.group.puller(self.rank, peer, got, self.recv)
-                copy(buf[:, s0:s0 + sc], got[peer][0][0][:, :sc, g * a:g * (a + c)])
+        ex, c = self.ex, self.ex.mine[1]
+        cuts = (ex.query() if not self.bufs else KV,)  # q: the query heads of this rank's key/value heads
+        (buf,) = ex.buffers((t,), cuts, c)
+        ex.pull(ex.send((t,)), [buf], cuts, 0, c)
         self.bufs.append(buf)
 
     def finish(self, local):
         """The kernel on every token of this rank's heads, and every rank's tokens back: ``[B, L_r, H, Dv]``."""
         if len(self.bufs) != 3:
             raise RuntimeError(f"a staged attention call finished after {len(self.bufs)} of q, k and v were sent")
-        q = self.bufs[0]
-        dev = q.device
-        compute = torch.cuda.current_stream(dev) if self.recv is not None else None
-        if compute is not None:
-            compute.wait_stream(self.recv)
+        self.ex.received_all()
         # a rank with no heads (more ranks than heads) runs no kernel
-        of = local(*self.bufs) if q.shape[2] else self.bufs[2][:, :, :0]
+        of = local(*self.bufs) if self.ex.mine[1] else self.bufs[2]
         self.bufs = []
-        b, h = q.shape[0], self.g * sum(c for _, c in self.kv)
-        out = torch.empty(b, self.layout.local_len(self.rank), h, of.shape[3], dtype=of.dtype, device=dev)
-        if self.recv is not None:
-            self.recv.wait_stream(compute)  # ``out`` was made on the compute stream
-        _back(self.group, self.rank, self.layout, self.kv, self.g, of, out, self.recv)
+        out = self.ex.to_tokens(of)
         del of
-        if compute is not None:
-            compute.wait_stream(self.recv)
-        return out
+        return self.ex.done(out)
 
 
 # In how many parts an exchanged call sends its heads (Group(pipeline=N) overrides), each part's exchange overlapping
@@ -324,12 +228,3 @@ def rank_mask(mask, full: int, heads: int, start: int, count: int):
     return mask
 
 
-
-def _ends(prefix: int, suffix: int, full: int, local: int):
-    """(rows in the whole sequence, rows in a rank's sequence) of the prefix and suffix tokens."""
-    out = []
-    if prefix:
-        out.append((slice(0, prefix), slice(0, prefix)))
-    if suffix:
-        out.append((slice(full - suffix, full), slice(local - suffix, local)))
-    return out

@@ -22,6 +22,7 @@ from pack import load
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
 U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+E = importlib.import_module(P.__name__ + ".parallel.exchange")
 C = importlib.import_module(P.__name__ + ".parallel.context")
 F = torch.nn.functional
 
@@ -183,7 +184,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
     L = prefix + tokens + suffix
     q, k, v = rand_qkv(g, b, L, heads, kv_heads, d, d + 2)
     ref = whole(q, k, v)
-    lay = U.shard_layout(tokens, n, prefix, suffix)
+    lay = E.shard_layout(tokens, n, prefix, suffix)
     group = G.Group(["cpu"] * n, pipeline=pipeline)
 
     def local(t, r):
@@ -210,7 +211,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
 def test_a_failing_rank_stops_the_others_with_its_error():
     n = 3
     group = G.Group(["cpu"] * n)
-    lay = U.shard_layout(12, n)
+    lay = E.shard_layout(12, n)
     x = torch.randn(1, 4, 2, 4)
 
     def rank(r):
@@ -466,7 +467,7 @@ def test_torch_compile_under_the_split(zoo, caplog, order):
     assert calls == [] and sorted(set(counts)) == [0, 1] and rel_l1(out, eager) == 0
     said = [r.getMessage() for r in caplog.records if "torch.compile is on" in r.getMessage()]
     assert len(said) == 1 and "split over GPUs run uncompiled" in said[0]  # once per run
-    fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").ForwardWrapper
+    fw = importlib.import_module(mod.__name__ + ".nodes.context_parallel").SplitForwardWrapper
     assert "ControlNet" in fw.why_not(object()) and fw.why_not(None) == ""
 
 
@@ -504,11 +505,11 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     clones = {d: Copy(i) for i, d in enumerate(devs)}
     opts = {"multigpu_clones": dict(clones)}
     for cfg_split, cfg in ((False, 5.0), (True, 1.0)):
-        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=cfg_split), opts, None, cfg)
+        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, cfg_split=cfg_split), opts, None, cfg)
         assert groups == [[(d, f"model{i}") for i, d in enumerate(devs)]] and "multigpu_clones" not in opts
         restore()
         assert opts["multigpu_clones"] == clones
-    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), opts, None, 5.0)
+    groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, cfg_split=True), opts, None, 5.0)
     assert groups == [[(devs[0], "model0"), (devs[1], "model1")], [(devs[2], "model2"), (devs[3], "model3")]]
     assert list(opts["multigpu_clones"]) == [devs[0], devs[2]]
     restore()
@@ -516,7 +517,7 @@ def test_the_runs_gpu_groups_from_comfyuis_multigpu_copies(zoo):
     # two GPUs, CFG 5: a GPU per cond (CFG Split); three: two GPUs for the first cond, one for the second
     for n, sizes in ((2, [1, 1]), (3, [2, 1])):
         some = {"multigpu_clones": {d: clones[d] for d in devs[:n]}}
-        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, 0, cfg_split=True), some, None, 5.0)
+        groups, restore = cpn.RunWrapper.groups(cpn.ContextParallel(None, cfg_split=True), some, None, 5.0)
         assert [len(g) for g in groups] == sizes
         restore()
 
@@ -748,7 +749,7 @@ def test_a_staged_call_gives_what_the_call_at_once_gives():
     g = torch.Generator().manual_seed(3)
     n, heads, kv_heads, L = 3, 4, 2, 23
     q, k, v = rand_qkv(g, 2, L, heads, kv_heads, 8)
-    lay = U.shard_layout(L, n)
+    lay = E.shard_layout(L, n)
     group = G.Group(["cpu"] * n)
     calls = []
 
@@ -772,7 +773,7 @@ def test_a_staged_call_gives_what_the_call_at_once_gives():
         assert torch.allclose(staged, rank_rows(want, lay, r), atol=1e-5)
     assert 0 not in calls  # the third rank holds no key/value head: no kernel call for it
     with pytest.raises(RuntimeError, match="finished after 1 of q, k and v were sent"):
-        call = U.Staged(G.Group(["cpu"]), 0, U.shard_layout(L, 1), heads, kv_heads)
+        call = U.Staged(G.Group(["cpu"]), 0, E.shard_layout(L, 1), heads, kv_heads)
         call.send(q)
         call.finish(local)
 
@@ -801,3 +802,128 @@ def test_wan_self_attention_replaced_by_another_node_is_left_to_it(zoo, monkeypa
         out = z.sample(_split(mod, base, 2), case)
     assert staged == [] and counts and len(ran) >= len(counts)
     assert rel_l1(out, ref) < 1e-5
+
+
+# ---------------------------------------------------------------- what the node says on the canvas
+
+@pytest.fixture
+def node_on(monkeypatch):
+    """``node_on(model, devices=None, gpus=0)``: the Context Parallel node run as ComfyUI registered it, on a machine where
+    ComfyUI sees ``devices`` (None: the test machine, as ComfyUI sees it): (the model, the text it shows on the canvas),
+    the classic node's text the same."""
+    from comfyui_support import load_pack
+
+    mod, mappings = load_pack()
+    import comfy.model_management as mm
+
+    def run(model, devices=None, gpus=0):
+        if devices is not None:
+            monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devices), raising=False)
+        cls, inputs = mappings["ContextParallel"], dict(model=model, gpus=gpus, cfg_split=True)
+        if hasattr(cls, "execute"):  # V3
+            out = cls.execute(**inputs)
+            result, ui = out.result, out.ui.as_dict()
+        else:
+            out = cls().run(**inputs)
+            result, ui = out["result"], out["ui"]
+        classic = mod.nodes.v1.NODE_CLASS_MAPPINGS["ContextParallel"]().run(**inputs)
+        assert len(result) == 1 and classic["ui"] == ui
+        return result[0], ui["text"][0]
+
+    yield run
+    monkeypatch.undo()  # the test's CUDA stand-ins too, before ComfyUI frees what it loaded
+    mm.unload_all_models()
+
+
+@pytest.mark.comfyui
+def test_the_node_says_on_the_canvas_why_it_does_not_split_here(node_on, monkeypatch):
+    """No CUDA GPU, one GPU, one GPU asked for, a model family without a unit: the node's box on the canvas says which,
+    and the model samples as it is; with two devices a model with a unit is split (ComfyUI 0.33+) and the box says how."""
+    from comfyui_support import tiny_flux, tiny_sd
+
+    flux, cpu, cpu1 = tiny_flux(), torch.device("cpu"), torch.device("cpu", 1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    m, text = node_on(flux)  # the machine as ComfyUI sees it in the tests: the CPU alone
+    assert text == "No CUDA GPU here: Context Parallel needs two or more."
+    assert m.model is flux.model and m is not flux
+    assert node_on(flux, [cpu])[1] == text
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert node_on(flux, [cpu])[1] == ("ComfyUI runs on cpu here, not on CUDA: Context Parallel needs two or more CUDA "
+                                       "GPUs.")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Test GPU")
+    assert node_on(flux, [torch.device("cuda", 0)])[1] == ("One GPU here (NVIDIA Test GPU): Context Parallel needs two or "
+                                                           "more.")
+    assert node_on(flux, [cpu, cpu1], gpus=1)[1] == ("The gpus input is 1, of the 2 GPUs here: nothing to split over (0: "
+                                                     "all of them).")
+    text = node_on(tiny_sd(), [cpu, cpu1])[1]
+    assert text.startswith("SD15 (UNetModel) has no Context Parallel unit, so it samples on one GPU. Models with one: ")
+    assert "Flux.1/Flux.2" in text and "Wan 2.1/2.2" in text
+    try:
+        import comfy.multigpu  # noqa: F401
+    except ImportError:
+        want = "Splitting a model over GPUs needs ComfyUI 0.33 or later (its MultiGPU model copies): one GPU."
+    else:
+        want = ("Flux.1/Flux.2: each step of 16,384 tokens or more split over 2 GPUs; above CFG 1, each prompt on half of "
+                "them.")
+    assert node_on(flux, [cpu, cpu1])[1] == want
+
+
+def test_the_canvas_script_knows_the_nodes_with_a_note():
+    import json
+    import os
+    import re
+
+    from comfyui_support import ROOT
+
+    js = open(os.path.join(ROOT, "web", "patch_attention.js"), encoding="utf-8").read()
+    listed = json.loads(re.search(r"const NOTE_NODES = (\[[^\]]*\]);", js).group(1))
+    assert listed == [n.node_id for n in P.nodes.definitions.NODES if n.note] == ["ContextParallel"]
+
+
+@pytest.mark.comfyui
+def test_a_run_too_short_to_split_says_so_on_the_node_once(zoo, monkeypatch):
+    """In a prompt, a sampling run whose forwards are below ``min_tokens`` adds the reason (token count and floor) under
+    the node's own text in its box on the canvas, once per run, through ComfyUI's server to the prompt's client; outside
+    a prompt it goes to the log alone."""
+    import sys
+    import types
+
+    from comfy_execution.utils import CurrentNodeContext
+
+    z, mod, _ = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    tokens = int(torch.tensor(case.latent[2:]).prod()) // 4  # the (1, 2, 2) patches of the latent: Wan's tokens
+    sent = []
+    server = types.SimpleNamespace(client_id="client", send_sync=lambda event, data, sid=None: sent.append((event, data, sid)))
+    monkeypatch.setitem(sys.modules, "server", types.SimpleNamespace(PromptServer=types.SimpleNamespace(instance=server)))
+    with CurrentNodeContext("prompt-1", "7"):  # the node runs
+        m, note = _cpn(mod).split_model(base, simulate=2, min_tokens=tokens + 1)
+    assert note == (f"Wan 2.1/2.2: each step of {tokens + 1:,} tokens or more split over 2 GPUs; above CFG 1, each prompt "
+                    "on half of them.")
+    with CurrentNodeContext("prompt-1", "9"):  # the sampler runs
+        z.sample(m, case)
+    assert len(sent) == 1, sent
+    event, data, sid = sent[0]
+    assert (event, data["node"], data["display_node"], data["prompt_id"], sid) == ("executed", "7", "7", "prompt-1", "client")
+    (text,) = data["output"]["text"]
+    mine, why = text.split("\n")
+    assert mine == note
+    assert why.startswith(f"A forward of Wan 2.1/2.2 ran on one GPU: {tokens:,} tokens to split, fewer than {tokens + 1:,}")
+    sent.clear()
+    z.sample(m, case)
+    assert sent == []
+
+
+def test_a_family_unit_is_registered_by_naming_its_model_classes():
+    """Every Unit subclass of parallel/families/ that names its own diffusion-model classes is registered, once, with
+    no list to keep; a base shared by several (naming none of its own) is not a unit; no model class has two units."""
+    fam = importlib.import_module(P.__name__ + ".parallel.families")
+    names = [type(u).__name__ for u in fam.UNITS]
+    assert len(names) == len(set(names)) and {"FluxUnit", "WanUnit", "VaceUnit", "MageFlowUnit"} <= set(names)
+    assert "WanVariantUnit" not in names
+    claimed = [c for _, classes in fam.supported() for c in classes]
+    assert len(claimed) == len(set(claimed))
+    for unit in fam.UNITS:
+        for c in unit.classes:
+            assert fam.unit_for(type(c, (), {})()) is unit

@@ -17,6 +17,7 @@ from test_context_parallel import whole as masked
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
 U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+E = importlib.import_module(P.__name__ + ".parallel.exchange")
 C = importlib.import_module(P.__name__ + ".parallel.context")
 F = torch.nn.functional
 
@@ -59,7 +60,7 @@ def test_row_masks_give_whole_masked_attention_on_every_rank(n, prefix, suffix, 
 
     outs, errs = run_ranks(n, rank)
     assert errs == [None] * n
-    lay = U.shard_layout(tokens, n, prefix, suffix)
+    lay = E.shard_layout(tokens, n, prefix, suffix)
     for r in range(n):
         assert (outs[r] - _local(ref, lay, r)).abs().max() < 1e-12
     # every rank with heads ran the kernel once per non-empty range, over every key, with that range's mask

@@ -24,6 +24,7 @@ zoo = test_context_parallel.zoo  # the fixture (an import of it would be an unus
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
 U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+E = importlib.import_module(P.__name__ + ".parallel.exchange")
 C = importlib.import_module(P.__name__ + ".parallel.context")
 F = torch.nn.functional
 
@@ -59,7 +60,7 @@ def test_a_mask_over_the_whole_sequence_gives_whole_attention(kind, n, heads, kv
     q, k, v = rand_qkv(g, b, L, heads, kv_heads, d)
     mask = _mask(kind, b, heads, L, g)
     ref = masked_whole(q, k, v, mask)
-    lay = U.shard_layout(tokens, n, prefix, suffix)
+    lay = E.shard_layout(tokens, n, prefix, suffix)
     group = G.Group(["cpu"] * n)
 
     def local(t, r):
@@ -84,7 +85,7 @@ def test_a_mask_over_the_whole_sequence_gives_whole_attention(kind, n, heads, kv
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_a_mask_made_for_one_share_is_refused_on_every_rank(n):
     tokens, prefix = 17, 4
-    lay = U.shard_layout(tokens, n, prefix)
+    lay = E.shard_layout(tokens, n, prefix)
     group = G.Group(["cpu"] * n)
 
     def rank(r):

@@ -22,6 +22,7 @@ from test_context_parallel import whole as masked_whole
 P = load()
 G = importlib.import_module(P.__name__ + ".parallel.group")
 U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+E = importlib.import_module(P.__name__ + ".parallel.exchange")
 C = importlib.import_module(P.__name__ + ".parallel.context")
 CPN = importlib.import_module(P.__name__ + ".nodes.context_parallel")
 HY = importlib.import_module(P.__name__ + ".parallel.families.hunyuan_video")
@@ -46,7 +47,7 @@ def test_ulysses_carries_a_key_mask(n, heads, kv_heads, prefix, suffix, tokens, 
     mask = keep if boolean else torch.zeros(keep.shape, dtype=torch.float64).masked_fill(~keep, -torch.finfo(torch.float64).max)
     ref = masked_whole(q, k, v, mask)
     assert (ref - masked_whole(q, k, v)).abs().max() > 1e-3  # the mask matters
-    lay = U.shard_layout(tokens, n, prefix, suffix)
+    lay = E.shard_layout(tokens, n, prefix, suffix)
     group = G.Group(["cpu"] * n)
     seen = []
 
@@ -66,7 +67,7 @@ def test_ulysses_carries_a_key_mask(n, heads, kv_heads, prefix, suffix, tokens, 
 def test_ulysses_refuses_a_mask_that_is_not_a_key_mask():
     """One rank of two (6 of 12 tokens): a mask with a row per query of its own share cannot be split."""
     group = G.Group(["cpu", "cpu"])
-    lay = U.shard_layout(12, 2)
+    lay = E.shard_layout(12, 2)
     x = torch.randn(1, 6, 2, 4)
     with pytest.raises(ValueError, match="key mask"):
         U.ulysses(group, 0, lay, x, x, x, masked_whole, mask=torch.zeros(1, 1, 6, 6))
@@ -103,7 +104,7 @@ def test_the_attention_override_hands_the_kernel_the_whole_key_mask_as_the_model
             "4d-heads": pad.view(1, 1, 1, L).repeat(1, heads, 1, 1) + torch.randn(1, heads, 1, L, generator=g)}[shape]
     comfy_attention.masks = []
     ref = comfy_attention(q, k, v, heads, mask=mask)
-    lay = U.shard_layout(tokens, n, text)
+    lay = E.shard_layout(tokens, n, text)
     group = G.Group(["cpu"] * n)
     hook = CPN.ContextParallelAttention()
     dim = mask.ndim - 1

@@ -251,7 +251,7 @@ def test_ltx2_per_frame_timesteps_are_split_by_frame_where_they_can(zoo):
         group = G.Group(["cpu"] * n)
         for r in range(n):
             ctx = mod.parallel.context.RankContext(group, r, None)
-            ctx.layout = mod.parallel.ulysses.shard_layout(20, n)
+            ctx.layout = mod.parallel.exchange.shard_layout(20, n)
             part = fam._shard_timestep(ts, ctx)
             s0, sc = ctx.rows()
             assert torch.equal(part.expand(), full[:, s0:s0 + sc])

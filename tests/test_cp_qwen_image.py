@@ -15,7 +15,7 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import C, G, U, _case, calls_under_patch, check_split, rand_qkv, rank_rows, rel_l1, run_ranks
+from test_context_parallel import C, E, G, U, _case, calls_under_patch, check_split, rand_qkv, rank_rows, rel_l1, run_ranks
 from test_context_parallel import whole as whole_masked
 
 F = torch.nn.functional
@@ -39,7 +39,7 @@ def test_a_key_mask_goes_with_the_keys(n, heads, kv_heads, prefix, suffix, token
     mask = torch.randn(dims, generator=g, dtype=torch.float64) * 0.5
     mask[..., 1::3] = -torch.finfo(torch.float64).max
     ref = whole_masked(q, k, v, mask)
-    lay = U.shard_layout(tokens, n, prefix, suffix)
+    lay = E.shard_layout(tokens, n, prefix, suffix)
     group = G.Group(["cpu"] * n)
 
     def local(t, r, dim=1):

@@ -2,15 +2,21 @@
 //
 // 1. The report nodes show their report on the node after they run. They return it as `{"ui": {"text": [report]}}`
 //    (ComfyUI's PreviewText); the frontends that ComfyUI 0.3.64 and 0.33 pin (1.27, 1.49) draw that text only on
-//    their own Preview Any node. Each report node gets a read-only text box, filled from its executed message.
+//    their own Preview Any node. Each report node gets a read-only text box, filled from its executed message. The
+//    note nodes return a line the same way beside their outputs (Context Parallel: why it does not split here), and
+//    may send it again, longer, while a prompt runs (what a sampling run could not split).
 // 2. A workflow saved before an input or type was renamed opens with the current names: both frontends keep a saved
 //    node's slots as the file has them (name, type and link), so the old names are replaced here, links kept.
 import { app } from "../../scripts/app.js";
 
 // nodes/definitions.py: the nodes whose first output is a text report (tests/test_browser.py checks the two agree)
 const REPORT_NODES = ["AttentionBackendsInfo", "AttentionBenchmark", "AttentionBenchmarkE2E"];
+// nodes/definitions.py: the nodes that show a note beside their outputs (tests/test_context_parallel.py checks it)
+const NOTE_NODES = ["ContextParallel"];
+const TEXT_NODES = [...REPORT_NODES, ...NOTE_NODES];
 const WIDGET = "report_text";
 const PLACEHOLDER = "The report appears here when the node has run.";
+const NOTE_PLACEHOLDER = "What this node does on this machine appears here when it has run.";
 
 function reportWidget(node) {
   const have = node.widgets?.find((w) => w.name === WIDGET);
@@ -24,7 +30,7 @@ function reportWidget(node) {
   const el = widget.element ?? widget.inputEl;
   if (el) {
     el.readOnly = true;
-    el.placeholder = PLACEHOLDER;
+    el.placeholder = NOTE_NODES.includes(node.type) ? NOTE_PLACEHOLDER : PLACEHOLDER;
     el.dataset.patchAttentionReport = node.type;
   }
   return widget;
@@ -119,7 +125,7 @@ app.registerExtension({
     renameSlots(node);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
-    if (!REPORT_NODES.includes(nodeData.name)) return;
+    if (!TEXT_NODES.includes(nodeData.name)) return;
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const r = onNodeCreated?.apply(this, arguments);
@@ -136,7 +142,7 @@ app.registerExtension({
   onNodeOutputsUpdated(outputs) {
     for (const [id, output] of Object.entries(outputs ?? {})) {
       const node = app.graph?.getNodeById?.(id) ?? app.graph?.getNodeById?.(Number(id));
-      if (node && REPORT_NODES.includes(node.type)) showReport(node, output);
+      if (node && TEXT_NODES.includes(node.type)) showReport(node, output);
     }
   },
 });

@@ -18,8 +18,10 @@ Interface (:class:`Unit`):
 - ``patch_run(dm)`` (optional): changes to the diffusion model's modules for one sampling run, on every GPU's copy
   (e.g. Wan's self-attention sending q and k while it computes v); returns the function that undoes them.
 
-A model without a unit samples on one GPU (the node says so once per run, naming the model).  Adding a family is one
-module here that defines ``UNITS = [SomeUnit()]``.
+A model without a unit samples on one GPU (the node says why on the canvas, naming the model and the families that have
+one).  Adding a family is one module here with a :class:`Unit` subclass that names its diffusion-model ``classes``:
+every such class of this folder's modules is registered (:func:`_units`), and the node's description and messages list
+it.
 """
 
 from __future__ import annotations
@@ -43,10 +45,14 @@ class Unit:
 
 
 def _units() -> list[Unit]:
-    """Every module of this package's ``UNITS``, modules in name order."""
+    """One of every unit of this package's modules (modules in name order, each module's in the order it defines them):
+    a :class:`Unit` subclass that names its own ``classes`` (a base it shares with others, naming none of its own, is
+    not one)."""
     out = []
     for m in sorted(pkgutil.iter_modules(__path__), key=lambda m: m.name):
-        out += getattr(importlib.import_module(f"{__name__}.{m.name}"), "UNITS", [])
+        module = importlib.import_module(f"{__name__}.{m.name}")
+        out += [c() for c in vars(module).values() if isinstance(c, type) and issubclass(c, Unit)
+                and c.__module__ == module.__name__ and vars(c).get("classes")]
     return out
 
 

@@ -94,6 +94,3 @@ def per_sample(vec, batch: int) -> bool:
         vec = vec[0]
     t = getattr(vec, "shift", vec)
     return t.shape[1] == 1 if t.ndim == 3 else t.shape[0] == batch
-
-
-UNITS = [FluxUnit()]

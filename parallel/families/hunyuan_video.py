@@ -94,6 +94,3 @@ class HunyuanVideoUnit(Unit):
         if mask is not None and (mask.ndim not in (2, 3, 4) or mask.shape[-1] != full or mask.shape[-2] != 1):
             return f"an attention mask of shape {list(mask.shape)} (not one row over the {full} tokens)"
         return ""
-
-
-UNITS = [HunyuanVideoUnit()]

@@ -167,6 +167,3 @@ class LTX2Unit(Unit):
             vx, ax = out["img"]
             out = {**out, "img": (ctx.gather(vx), ax)}
         return out
-
-
-UNITS = [LTXVideoUnit(), LTX2Unit()]

@@ -94,6 +94,3 @@ def _cell(fn, name: str):
     if code is None or name not in code.co_freevars or not fn.__closure__:
         return None
     return fn.__closure__[code.co_freevars.index(name)]
-
-
-UNITS = [QwenImageUnit(), MageFlowUnit()]

@@ -132,6 +132,3 @@ def modulation_shard(vec: torch.Tensor, ctx, tokens: torch.Tensor | None = None)
     if tokens is None:
         tokens = torch.arange(s0, s0 + sc, device=vec.device)
     return vec.index_select(1, tokens // r)
-
-
-UNITS = [WanUnit()]

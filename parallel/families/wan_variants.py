@@ -197,6 +197,3 @@ class HuMoUnit(WanVariantUnit):
 
         order = torch.cat([rows(r) for r in range(ctx.size)])
         return rows(ctx.rank), torch.argsort(order)
-
-
-UNITS = [VaceUnit(), CameraUnit(), SCAILUnit(), S2VUnit(), DancerUnit(), AnimateUnit(), HuMoUnit()]

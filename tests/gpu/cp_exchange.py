@@ -153,6 +153,7 @@ def main(argv=None) -> int:
 
     G = importlib.import_module(P.__name__ + ".parallel.group")
     U = importlib.import_module(P.__name__ + ".parallel.ulysses")
+    E = importlib.import_module(P.__name__ + ".parallel.exchange")
     n = torch.cuda.device_count()
     devs = [torch.device("cuda", i) for i in range(n)]
     g = torch.Generator(device="cuda:0").manual_seed(0)
@@ -167,7 +168,7 @@ def main(argv=None) -> int:
         return vf
 
     want = {"kernel": kernel(q, k, v), "exchange": v}
-    lay = U.shard_layout(a.tokens, n)
+    lay = E.shard_layout(a.tokens, n)
     shares = [[t[:, s0:s0 + c].to(devs[r]) for t in (q, k, v)] for r, (s0, c) in enumerate(lay.shards)]
     rows, bad = [], 0
     print(f"cp-exchange: {n} GPUs ({torch.cuda.get_device_name(0)}), q/k/v [1, {a.tokens}, {a.heads}, {a.dim}] bf16, "
