@@ -445,12 +445,12 @@ def _sampling_options():
 
 def validate_rows(cls, rows=None):
     """Prompt validation of the end-to-end benchmark's rows: readable, and a profile they name is a listed file."""
-    from ..measure import e2e
+    from ..measure.rows import parse_row
 
     try:
         for r in (rows or "").replace(";", ",").split(","):
             if r.strip() and r.strip() != "all":
-                opts = e2e.parse_row(r.strip())[1]
+                opts = parse_row(r.strip())[1]
                 if "profile" in opts:
                     files.resolve_profile(opts["profile"], BENCH_E2E_NAME)
     except files.FileNameError as e:
@@ -462,9 +462,10 @@ def validate_rows(cls, rows=None):
 
 def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0, sampler_name="euler", scheduler="simple",
                       seed=0, rows="all", peers=True, compile=False, vae=None):
-    from ..measure import e2e, pictures
+    from ..measure import e2e, pictures, report
+    from ..measure.rows import rows_from_text
 
-    row_list = e2e.rows_from_text(rows, peers=peers)
+    row_list = rows_from_text(rows, peers=peers)
     job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
                   scheduler=scheduler, seed=seed, label=type(model.model.diffusion_model).__name__,
                   profiles=lambda name, variant: load_profile(name, variant, BENCH_E2E_NAME))
@@ -472,15 +473,15 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
     with _progress(len(row_list), "end-to-end benchmark") as progress:
         results = e2e.measure(job, row_list, compile=compile, progress=lambda r: progress(r["row"]), final_latents=latents)
     what = f"{steps} {sampler_name}/{scheduler} steps per row after a 2-step warm-up, cfg {cfg}"
-    report = e2e.render_markdown(results, f"{what}; final latent compared with the unpatched model's (PSNR/SSIM: each "
-                                          f"channel of each frame as an image)")
+    text = report.render_markdown(results, f"{what}; final latent compared with the unpatched model's (PSNR/SSIM: each "
+                                           f"channel of each frame as an image)")
     chart = pictures.chart(results, f"Attention Benchmark (end to end): {what}").image
     if vae is None:
         frames = pictures.message("No VAE connected: connect your model's VAE to see each row's decoded output beside "
                                   "its difference to the unpatched row.")
     else:
         frames = pictures.frames(results, latents, vae.decode).image
-    return report, pictures.to_image(chart), pictures.to_image(frames)
+    return text, pictures.to_image(chart), pictures.to_image(frames)
 
 
 @contextlib.contextmanager
