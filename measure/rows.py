@@ -93,6 +93,7 @@ class RowKind:
     kernel: Callable[[str], str] = lambda row: row  # the kernel the row runs (for exactness and sparsity)
     known: Callable[[str], bool] = lambda row: True  # the name is one this kind can run (else: an unknown row)
     in_all: Callable[[bool], list] = lambda peers: []  # the rows of this kind that ``all`` means (peers: with peers)
+    all_order: int = 0  # where those rows come in ``all`` (ascending)
     exact: Callable[[str], bool] = _kernel_exact  # of the kernel: its attention is exact (rounding only)
     sparse: Callable[[str], bool] = _kernel_sparse  # of the kernel: it skips attention mass
 
@@ -100,31 +101,30 @@ class RowKind:
 ROW_KINDS = (
     RowKind("unpatched", UNPATCHED, BASELINE, lambda r: r == UNPATCHED,
             lambda model, row, profiles: (model.clone(), "ComfyUI attention"),
-            in_all=lambda peers: [UNPATCHED], exact=lambda k: True, sparse=lambda k: False),
+            in_all=lambda peers: [UNPATCHED], all_order=0, exact=lambda k: True, sparse=lambda k: False),
     RowKind("options", "a sparse backend with options, e.g. kitchen_sol[tau=2.0] or sparge[profile=NAME]", KERNEL,
             lambda r: ROW_OPTIONS.match(r) is not None, _with_options, kernel=lambda r: parse_row(r)[0],
             known=lambda r: parse_row(r)[0] in REGISTRY),
     RowKind("core", ", ".join(CORE_ROWS), CORE, lambda r: r in core_nodes.CORE_NODES,
             lambda model, row, profiles: core_nodes.apply(model, row),
-            in_all=lambda peers: [r for r in CORE_ROWS if core_nodes.missing(r) is None], exact=lambda k: False,
-            sparse=lambda k: core_nodes.CORE_NODES[k].sparse),
+            in_all=lambda peers: [r for r in CORE_ROWS if core_nodes.missing(r) is None], all_order=3,
+            exact=lambda k: False, sparse=lambda k: core_nodes.CORE_NODES[k].sparse),
     RowKind("peer", PEER + "<backend>", PEER_ROLE, lambda r: r.startswith(PEER), _peer,
             kernel=lambda r: r[len(PEER):], known=lambda r: r[len(PEER):] in REGISTRY,
-            in_all=lambda peers: [PEER + n for n in _usable() if REGISTRY.get(n).family != "sdpa"] if peers else []),
+            in_all=lambda peers: [PEER + n for n in _usable() if REGISTRY.get(n).family != "sdpa"] if peers else [],
+            all_order=4),
     RowKind("no-nan-net", "<backend>" + NO_NAN_NET, VARIANT, lambda r: r.endswith(NO_NAN_NET), _without_net,
             kernel=lambda r: r[: -len(NO_NAN_NET)], known=lambda r: r[: -len(NO_NAN_NET)] in REGISTRY),
     RowKind("selector", ", ".join(AUTOS), SELECTOR, lambda r: r in AUTOS, _patched,
-            in_all=lambda peers: [AUTO, AUTO_EXACT], exact=lambda k: False, sparse=lambda k: False),
+            in_all=lambda peers: [AUTO, AUTO_EXACT], all_order=2, exact=lambda k: False, sparse=lambda k: False),
     RowKind("backend", "a backend name", KERNEL, lambda r: True, _patched, known=lambda r: r in REGISTRY,
-            in_all=lambda peers: _usable()),
+            in_all=lambda peers: _usable(), all_order=1),
 )
-# the order ``all`` lists the kinds in: unpatched, every backend, the selectors, the core nodes, the peers
-ALL_ORDER = ("unpatched", "backend", "selector", "core", "peer")
 
 
 @dataclass(frozen=True)
 class Row:
-    """A row's name read: its kind, the kernel it runs, its options."""
+    """A row's name read: its kind and the kernel it runs."""
 
     name: str  # without " +compile"
     kind: RowKind
@@ -228,8 +228,7 @@ def make_row_model(model, row: str, profiles=None):
 def default_rows(peers=True) -> list[str]:
     """What ``all`` means: unpatched, every backend usable here (but :data:`NOT_IN_ALL`), auto, auto_exact, the rows
     of ComfyUI's own attention nodes that run here, and a peer row per non-SDPA kernel."""
-    kinds = {k.name: k for k in ROW_KINDS}
-    return [row for name in ALL_ORDER for row in kinds[name].in_all(peers)]
+    return [row for kind in sorted(ROW_KINDS, key=lambda k: k.all_order) for row in kind.in_all(peers)]
 
 
 def rows_from_text(text: str, peers: bool = True) -> list[str]:

@@ -526,9 +526,9 @@ BENCH_E2E = Node(
         In("sampler_name", "COMBO", "euler", "Sampler, as in your KSampler.", options=SAMPLERS),
         In("scheduler", "COMBO", "simple", "Scheduler, as in your KSampler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
-        In("rows", "STRING", "all", "'all', or a comma-separated list of unpatched, auto, auto_exact, backend names, "
-           "peer:<backend>, core:kitchen-int8, core:sol-attn, or a sparse backend with options, e.g. "
-           "kitchen_sol[tau=2.0] or sparge[profile=my_model.json] (a file in models/sparge_profiles)."),
+        In("rows", "STRING", "all", "'all', or a comma-separated list of rows as the report names them, e.g. unpatched, "
+           "auto, sage, peer:sage, core:sol-attn, kitchen_sol[tau=2.0] or sparge[profile=my_model.json] (a file in "
+           "models/sparge_profiles); an unknown name's error lists every kind of row."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel, which calls the kernel straight from ComfyUI's hook."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); the compile time falls in the warm-up, not in the timing."),
         In("vae", "VAE", None, "Optional: your model's VAE. Each row's final latent is decoded (once, after the timing) "
