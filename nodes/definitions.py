@@ -23,7 +23,7 @@ from ..attention.sparge_profile import (
 )
 from . import files
 from .patch import GATE_OWN, SPARSE_START, SpargeSettings, patch_model, tune_model
-from .progress import progress_bar
+from .progress import progress_bar, progress_text
 
 CATEGORY = "model_patches/attention"
 # The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention (the type was SPARGE_SETTINGS;
@@ -348,21 +348,22 @@ def run_benchmark(presets, shapes="", dtype="bf16", reps=10):
     from ..measure import bench
 
     wanted = [p.strip() for p in presets.split(",") if p.strip()]
-    unknown = [p for p in wanted if p not in bench.PRESETS]
+    unknown = [p for p in wanted if p not in bench.SHAPE_PRESETS]
     if unknown:
-        raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(bench.PRESETS)}")
+        raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(bench.SHAPE_PRESETS)}")
     shape_list = [s.strip() for s in shapes.replace(";", "\n").splitlines() if s.strip()]
     if not wanted and not shape_list:
         raise ValueError("nothing to time: give presets, shapes, or both")
-    table = bench.parse_shapes(wanted, shape_list)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    table = bench.parse_shapes(wanted, shape_list, device=device)  # presets with fewer tokens on a CPU
     if not wanted:  # parse_shapes takes every preset for an empty list
         table = {k: v for k, v in table.items() if k in shape_list}
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     check_shapes_fit(table, device)
-    bar = progress_bar(bench.row_count(table, device))
+    bar = progress_bar(bench.tick_count(table, device, reps=reps))
     meta, rows = bench.run(table, dtype=dtype, reps=reps, device=device,
-                           progress=(lambda: bar.update(1)) if bar is not None else True)
-    return (bench.render_markdown(meta, rows, bench.PRESETS),)
+                           progress=(lambda: bar.update(1)) if bar is not None else True,
+                           announce=lambda text: progress_text(f"Attention Benchmark: {text}"))
+    return (bench.render_markdown(meta, rows, bench.SHAPE_PRESETS),)
 
 
 def shape_bytes(shape, device) -> int:
@@ -412,19 +413,21 @@ BENCH = Node(
     node_id="AttentionBenchmark",
     display_name="Attention Benchmark",
     description="Times every attention backend usable on this GPU (and auto, and ComfyUI's default) on model shapes, "
-                "with speed-ups against SDPA from the same run and accuracy against fp32 SDPA. Takes seconds to minutes. "
-                "Without a CUDA GPU it times PyTorch's SDPA kernels on the CPU.",
+                "in interleaved rounds (every row once per round): each row's median and the range of its rounds, "
+                "speed-ups against SDPA from the same rounds, accuracy against fp32 SDPA. Says before it starts how "
+                "many calls it makes and about how long they take. Without a CUDA GPU it times PyTorch's SDPA kernels "
+                "on the CPU, on the presets with fewer tokens (under a minute for the defaults).",
     search_aliases=["benchmark", "speed test", "attention benchmark", "kernel benchmark", "attention", *KERNEL_WORDS,
                     "compare kernels"],
     inputs=[
         In("presets", "STRING", "sd15,sdxl,flux", "Comma-separated presets: sd15, sd15-cross, sdxl, sd3, flux, "
-           "wan-480p, hunyuan-480p (video ones take minutes on a GPU; on a CPU use small shapes below). Empty: only "
-           "your shapes."),
+           "wan-480p, hunyuan-480p (on a CPU they run with fewer tokens; video ones take minutes on a GPU). Empty: "
+           "only your shapes."),
         In("shapes", "STRING", "", "Your own shapes, one per line: B,H,N,D or B,H,N,D,Nk (batch, heads, query tokens, "
            "head dim, key tokens).", multiline=True),
         In("dtype", "COMBO", "bf16", "Data type of the inputs (bf16 or fp16).", options=["bf16", "fp16"]),
-        In("reps", "INT", 10, "Back-to-back calls per timing round (a count; 5 rounds, the median is reported).",
-           min=1, max=1000, step=1),
+        In("reps", "INT", 10, "Back-to-back calls per row in each of the 15 interleaved rounds (a count; fewer where "
+           "one call is long), the median and the range over the rounds reported.", min=1, max=1000, step=1),
     ],
     outputs=[("STRING", "report")],
     fn=run_benchmark,
