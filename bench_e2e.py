@@ -51,7 +51,7 @@ def _load_pack():
     return mod
 
 
-def main(argv=None):
+def _arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b, wan-1.3b-720p, "
                                                       "wan-14b-720p, wan-1.3b-33f (repeatable; default all); "
@@ -74,22 +74,42 @@ def main(argv=None):
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON",
                     help="no benchmark: plot the rows of these --json results (in order) into --png")
+    return ap
+
+
+def _plot_from(paths, png):
+    """--plot-from: the plots of earlier --json results, no benchmark."""
+    rows, metas = [], []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        rows += d["rows"]
+        metas.append(d["meta"])
+    m = {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))}
+    grammar = _measure(_load_pack(), "rows")
+    plot(rows, png, m, grammar)
+    if any("psnr" in r for r in rows):
+        plot_frontier(rows, png.replace(".png", "-frontier.png"), m, grammar)
+
+
+def _header(meta: dict, a, standin_only: bool) -> str:
+    weights = ("the stand-in's trained weights (bf16; PSNR/SSIM against its fp32 run of the same seed)"
+               if standin_only else "random bf16 weights")
+    return (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, {weights} "
+            f"· euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
+            f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
+            f"synced), so loading, setup and the first step are not in it; "
+            f"'whole run' is from the sampler's start to its last step over the number of steps, the first included · "
+            f"ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+
+
+def main(argv=None):
+    ap = _arguments()
     a = ap.parse_args(argv)
     if a.plot_from:
         if not a.png:
             ap.error("--plot-from needs --png")
-        rows, metas = [], []
-        for path in a.plot_from:
-            with open(path) as f:
-                d = json.load(f)
-            rows += d["rows"]
-            metas.append(d["meta"])
-        m = {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))}
-        grammar = _measure(_load_pack(), "rows")
-        plot(rows, a.png, m, grammar)
-        if any("psnr" in r for r in rows):
-            plot_frontier(rows, a.png.replace(".png", "-frontier.png"), m, grammar)
-        return
+        return _plot_from(a.plot_from, a.png)
 
     sys.path.insert(0, _comfyui())
     from comfy.cli_args import args as comfy_args
@@ -121,14 +141,7 @@ def main(argv=None):
     descs = {p: (STANDIN_PRESETS.get(p) or presets_.MODEL_PRESETS[p]).description for p in presets}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": descs}
-    weights = ("the stand-in's trained weights (bf16; PSNR/SSIM against its fp32 run of the same seed)"
-               if all(p in STANDIN_PRESETS for p in presets) else "random bf16 weights")
-    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, {weights} "
-              f"· euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
-              f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
-              f"synced), so loading, setup and the first step are not in it; "
-              f"'whole run' is from the sampler's start to its last step over the number of steps, the first included · "
-              f"ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+    header = _header(meta, a, all(p in STANDIN_PRESETS for p in presets))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
         if preset in STANDIN_PRESETS:
