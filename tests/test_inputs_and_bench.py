@@ -1,5 +1,7 @@
 import json
+import sys
 import threading
+import types
 from importlib import import_module
 
 import torch
@@ -135,3 +137,29 @@ def test_the_plan_and_its_estimate_come_before_the_first_timed_call():
     (text, at), = said
     assert at == 0 and f"{plan.calls:,} calls, about " in text and text.endswith("s on this CPU")
     assert len(ticks) == plan.ticks and meta["plan"] == text and "wall_s" in meta
+
+
+def test_the_node_shows_its_plan_as_progress_text_before_timing(monkeypatch):
+    """The Attention Benchmark node sends the plan and its estimate to ComfyUI's progress text on the node (the
+    executing one), before the first timed call."""
+    pack = load()
+    progress = import_module(pack.__name__ + ".nodes.progress")
+    defs = import_module(pack.__name__ + ".nodes.definitions")
+    sent = []
+    server = types.ModuleType("server")
+    server.PromptServer = type("PromptServer", (), {"instance": types.SimpleNamespace(
+        send_progress_text=lambda text, node_id: sent.append((text, node_id)))})
+    monkeypatch.setitem(sys.modules, "server", server)
+    monkeypatch.setattr(progress, "executing_node", lambda: "12")
+    timed = []
+    real = bench.time_call
+    monkeypatch.setattr(bench, "time_call", lambda *a, **k: (timed.append(len(sent)), real(*a, **k))[1])
+    (text,) = defs.run_benchmark(presets="", shapes="1,1,64,32", dtype="bf16", reps=1)
+    (said, node), = sent
+    assert node == "12" and said.startswith("Attention Benchmark: 1 shape(s), 4 timed rows each") and " about " in said
+    # only the probe that makes the estimate times anything before it is said; then 15 rounds of the 4 rows
+    assert sorted(timed) == timed and timed.count(1) == 4 * bench.ROUNDS and timed.count(0) <= 4
+    assert said.split(": ", 1)[1] in text  # the report repeats the plan
+    monkeypatch.setattr(progress, "executing_node", lambda: None)  # outside ComfyUI's executor: nothing sent
+    progress.progress_text("outside")
+    assert len(sent) == 1
