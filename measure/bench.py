@@ -162,7 +162,8 @@ class Plan:
         rows = sorted({len(s.entries) for s in self.shapes})
         text = (f"{len(self.shapes)} shape(s), {'-'.join(map(str, rows))} timed rows each, "
                 f"{self.shapes[0].rounds if self.shapes else 0} interleaved rounds: {self.calls:,} calls")
-        return text + (f", about {seconds:.0f} s on this {self.device.type.upper()}" if seconds is not None else "")
+        where = "GPU" if self.device.type == "cuda" else self.device.type.upper()
+        return text + (f", about {seconds:.0f} s on this {where}" if seconds is not None else "")
 
 
 def shape_spec(shape: AttentionShape, device, dtype) -> CallSpec:
