@@ -384,7 +384,6 @@ def bench_shape(sp: ShapePlan, plan: Plan, *, tick=None, auto_cache=None) -> lis
     return _shape_rows(sp, plan, timing, acc, auto_cfg)
 
 
-
 def _shape_rows(sp: ShapePlan, plan: Plan, timing: Timing, acc: dict, auto_cfg) -> list[dict]:
     """The result rows of one shape, in the order of the plan's backends, then auto and the peers."""
     rows = [{"backend": n, "shape": sp.label, "refused": why} for n, why in sp.refused.items()]
