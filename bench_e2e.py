@@ -30,6 +30,7 @@ import importlib.util
 import json
 import os
 import sys
+from typing import NamedTuple
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -50,7 +51,7 @@ def _load_pack():
     return mod
 
 
-def main(argv=None):
+def _arguments() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", action="append", help="sd15, sdxl, flux-dev, wan-1.3b, wan-14b, wan-1.3b-720p, "
                                                       "wan-14b-720p, wan-1.3b-33f (repeatable; default all); "
@@ -73,23 +74,45 @@ def main(argv=None):
     ap.add_argument("--md"), ap.add_argument("--json"), ap.add_argument("--png")
     ap.add_argument("--plot-from", nargs="+", metavar="JSON",
                     help="no benchmark: plot the rows of these --json results (in order) into --png")
+    return ap
+
+
+def _plot_from(paths, png):
+    """--plot-from: the plots of earlier --json results, no benchmark."""
+    rows, metas = [], []
+    for path in paths:
+        with open(path) as f:
+            d = json.load(f)
+        rows += d["rows"]
+        metas.append(d["meta"])
+    m = {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))}
+    grammar = _measure(_load_pack(), "rows")
+    plot(rows, png, m, grammar)
+    if any("psnr" in r for r in rows):
+        plot_frontier(rows, png.replace(".png", "-frontier.png"), m, grammar)
+
+
+def _header(meta: dict, a, standin_only: bool) -> str:
+    weights = ("the stand-in's trained weights (bf16; PSNR/SSIM against its fp32 run of the same seed)"
+               if standin_only else "random bf16 weights")
+    return (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, {weights} "
+            f"· euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
+            f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
+            f"synced), so loading, setup and the first step are not in it; "
+            f"'whole run' is from the sampler's start to its last step over the number of steps, the first included · "
+            f"ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+
+
+def main(argv=None):
+    ap = _arguments()
     a = ap.parse_args(argv)
     if a.plot_from:
         if not a.png:
             ap.error("--plot-from needs --png")
-        rows, metas = [], []
-        for path in a.plot_from:
-            with open(path) as f:
-                d = json.load(f)
-            rows += d["rows"]
-            metas.append(d["meta"])
-        m = {**metas[0], "date": " / ".join(sorted({m["date"] for m in metas}))}
-        plot(rows, a.png, m)
-        if any("psnr" in r for r in rows):
-            plot_frontier(rows, a.png.replace(".png", "-frontier.png"), m)
-        return
+        return _plot_from(a.plot_from, a.png)
 
     sys.path.insert(0, _comfyui())
+    _let_core_nodes_import()
     from comfy.cli_args import args as comfy_args
 
     comfy_args.disable_smart_memory = True  # every row on the same resident weights
@@ -101,38 +124,31 @@ def main(argv=None):
     from tqdm import tqdm
 
     pack = _load_pack()
-    e2e = importlib.import_module(pack.__name__ + ".measure.e2e")
-    pictures = importlib.import_module(pack.__name__ + ".measure.pictures")
+    e2e, presets_, report = (_measure(pack, m) for m in ("e2e", "presets", "report"))
+    pictures = _measure(pack, "pictures")
     if not torch.cuda.is_available():
         sys.exit("bench_e2e: needs a CUDA GPU")
     if a.dynamic_vram and len(a.preset or []) != 1:
         ap.error("--dynamic-vram takes one --preset (its model is built before dynamic VRAM is switched on)")
-    presets = a.preset or list(e2e.PRESETS)
-    unknown = [p for p in presets if p not in e2e.PRESETS and p not in STANDIN_PRESETS]
+    presets = a.preset or list(presets_.MODEL_PRESETS)
+    unknown = [p for p in presets if p not in presets_.MODEL_PRESETS and p not in STANDIN_PRESETS]
     if unknown:
         ap.error(f"unknown preset(s) {', '.join(unknown)}")
     if any(p in STANDIN_PRESETS for p in presets) and not a.standin:
         ap.error("the standin-* presets need --standin PATH (python tools/standin.py train --out PATH makes it)")
-    rows = [r.strip() for r in a.rows.split(",") if r.strip()] or e2e.default_rows(peers=not a.no_peers)
+    rows = [r.strip() for r in a.rows.split(",") if r.strip()] or _measure(pack, "rows").default_rows(peers=not a.no_peers)
     modes = [True] if a.compile_only else [False, True] if a.compile else [False]
     results = []
-    descs = {p: (STANDIN_PRESETS[p][1] if p in STANDIN_PRESETS else e2e.PRESETS[p][6]) for p in presets}
+    descs = {p: (STANDIN_PRESETS.get(p) or presets_.MODEL_PRESETS[p]).description for p in presets}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": descs}
-    weights = ("the stand-in's trained weights (bf16; PSNR/SSIM against its fp32 run of the same seed)"
-               if all(p in STANDIN_PRESETS for p in presets) else "random bf16 weights")
-    header = (f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · ComfyUI model classes at full size, {weights} "
-              f"· euler, {a.steps} steps after a 2-step warm-up run, every row timed {a.rounds}x in turn; s/step "
-              f"is the {a.stat} over rounds of each run's median time between the sampler's step callbacks (device "
-              f"synced), so loading, setup and the first step are not in it; "
-              f"'whole run' is from the sampler's start to its last step over the number of steps, the first included · "
-              f"ratios within this run\n\n" + "\n".join(f"- `{p}`: {d}" for p, d in meta["presets"].items()))
+    header = _header(meta, a, all(p in STANDIN_PRESETS for p in presets))
     bar = tqdm(total=len(presets) * len(rows) * len(modes), unit="row", desc="end-to-end")
     for preset in presets:
         if preset in STANDIN_PRESETS:
             job = standin_job(e2e, a.standin, preset)
         else:
-            job = e2e.build_preset(preset, dynamic=a.dynamic_vram)
+            job = presets_.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
         decode = job.extra.get("vae_decode")
         finals = {} if decode is not None and a.json else None  # each row's final latent, for the frames picture
@@ -140,18 +156,49 @@ def main(argv=None):
             results += e2e.measure(job, rows, compile=compile, profile=a.profile, profile_step=a.profile_step, rounds=a.rounds, stat=a.stat,
                                    progress=lambda r, p=preset: (bar.set_postfix_str(f"{p} {r['row']}"), bar.update(1)),
                                    final_latents=finals)
-            save(a, meta, header, results, e2e, final=False)  # a run cut short keeps what it measured
+            save(a, meta, header, results, report, final=False)  # a run cut short keeps what it measured
         if finals:
             mine = [r for r in results if r["preset"] == preset]
             pictures.frames(mine, finals, decode).image.save(f"{os.path.splitext(a.json)[0]}-frames-{preset}.png")
         del job, finals
         torch.cuda.empty_cache()
     bar.close()
-    save(a, meta, header, results, e2e, final=True)
+    save(a, meta, header, results, report, final=True)
 
 
-STANDIN_PRESETS = {"standin-480p": ("480p", "the Wan-class stand-in (tools/standin.py), 480p (832x480), 81 frames, CFG 5"),
-                   "standin-720p": ("720p", "the Wan-class stand-in (tools/standin.py), 720p (1280x720), 81 frames, CFG 5")}
+def _let_core_nodes_import():
+    """ComfyUI's own attention nodes (the core rows) live in modules that import its nodes.py, which imports PyAV for
+    its video types. Where PyAV is missing (the GPU runner's machine), an empty stand-in lets them import, as the test
+    tiers do (tests/comfyui_support.py); nothing the benchmark runs decodes video. A ComfyUI install has PyAV."""
+    if importlib.util.find_spec("av") is not None:
+        return
+    tests = os.path.join(HERE, "tests")
+    sys.path.append(tests)
+    try:
+        from comfyui_support import AbsentPackage
+    except ImportError:  # without the test tiers' packages the core rows say their module does not import
+        return
+    finally:
+        sys.path.remove(tests)
+    sys.meta_path.insert(0, AbsentPackage("av"))
+
+
+def _measure(pack, name: str):
+    """The pack's ``measure.<name>`` module."""
+    return importlib.import_module(f"{pack.__name__}.measure.{name}")
+
+
+class StandinPreset(NamedTuple):
+    """A preset of the stand-in (tools/standin.py): its latent grid (a key of its LATENT_GRIDS) and what it is."""
+
+    grid: str
+    description: str
+
+
+STANDIN_PRESETS = {
+    "standin-480p": StandinPreset("480p", "the Wan-class stand-in (tools/standin.py), 480p (832x480), 81 frames, CFG 5"),
+    "standin-720p": StandinPreset("720p", "the Wan-class stand-in (tools/standin.py), 720p (1280x720), 81 frames, CFG 5"),
+}
 
 
 def standin_module():
@@ -173,21 +220,23 @@ def standin_job(e2e, path, preset, device="cuda", grid=None):
     sd = standin_module()
     meta = sd.read_meta(path)
     model = sd.load(path, torch.bfloat16, device)
-    grid = grid or sd.PRESETS[STANDIN_PRESETS[preset][0]]
+    grid = grid or sd.LATENT_GRIDS[STANDIN_PRESETS[preset].grid]
     pos, neg = sd.conditioning(meta)
     return e2e.Job(model, pos, neg, torch.zeros(1, sd.LATENT_CHANNELS, *grid), cfg=5.0, label=preset,
-                   extra={"description": STANDIN_PRESETS[preset][1], "decode": lambda lat: sd.decode(model, lat, meta),
+                   extra={"description": STANDIN_PRESETS[preset].description, "decode": lambda lat: sd.decode(model, lat, meta),
                           # the same frames in ComfyUI's image layout ([B, T, H, W, 3], what a VAE's decode returns)
                           "vae_decode": lambda lat: sd.decode(model, lat, meta).permute(0, 2, 3, 4, 1)},
                    reference=sd.load(path, torch.float32, device), reference_label="fp32")
 
 
-def save(a, meta, header, results, e2e, final):
-    md = e2e.render_markdown(results, header)
+def save(a, meta, header, results, report, final):
+    """The results so far as markdown (--md, and printed when ``final``), JSON (--json, with the chart beside it) and
+    plots (--png); ``report`` is the pack's measure.report module."""
+    md = report.render_markdown(results, header)
     tlines = []
     for p in dict.fromkeys(r["preset"] for r in results):
         mine = [r for r in results if r["preset"] == p and not r.get("compile")]
-        for t in e2e.targets(mine) + e2e.quality_targets(mine):
+        for t in report.targets(mine) + report.quality_targets(mine):
             verdict = "n/a (auto's error is higher)" if not t["applies"] else ("met" if t["met"] else "MISSED")
             tlines.append(f"| {p} | {t['target']} | x{t['ratio']:.3f} | {verdict} | {t['detail']} |")
             t["preset"] = p
@@ -212,16 +261,19 @@ def save(a, meta, header, results, e2e, final):
         with open(a.json, "w") as f:
             json.dump({"meta": meta, "rows": results}, f, indent=1)
         if final:
-            pictures = importlib.import_module(e2e.__package__ + ".pictures")
+            pictures = importlib.import_module(report.__package__ + ".pictures")
             title = f"{meta['gpu']} · torch {meta['torch']} · {meta['date']} · {meta['steps']} steps"
             pictures.chart(results, title).image.save(os.path.splitext(a.json)[0] + "-chart.png")
     if a.png and final:
-        plot(results, a.png, meta)
+        grammar = importlib.import_module(report.__package__ + ".rows")
+        plot(results, a.png, meta, grammar)
         if any("psnr" in r for r in results):
-            plot_frontier(results, a.png.replace(".png", "-frontier.png"), meta)
+            plot_frontier(results, a.png.replace(".png", "-frontier.png"), meta, grammar)
 
 
-def plot(rows, path, meta):
+def plot(rows, path, meta, grammar):
+    """One panel per run of a preset: each row's speed against unpatched, coloured by its role (``grammar``: the
+    pack's measure.rows module)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,7 +289,8 @@ def plot(rows, path, meta):
         err = [[v - r["paired"]["vs_unpatched"][1] for v, r in zip(vals, rs)],
                [r["paired"]["vs_unpatched"][2] - v for v, r in zip(vals, rs)]] if paired else None
         ax.barh([r["row"] for r in rs], vals, xerr=err, capsize=3, label="per step (the first not counted)",
-                color=["#888" if r["row"].startswith("unpatched") else "#c66" if r["row"].startswith("peer:") else "#369" for r in rs])
+                color=[{grammar.BASELINE: "#888", grammar.PEER_ROLE: "#c66"}.get(grammar.role_of(r["row"]), "#369")
+                       for r in rs])
         whole = [(i, r["whole_vs_unpatched"]) for i, r in enumerate(rs) if "whole_vs_unpatched" in r]
         if whole and (steps or 0) >= 6:  # runs long enough to hold a sparse schedule's dense steps
             ax.plot([w for _, w in whole], [i for i, _ in whole], "kD", ms=4, label="whole run (first steps included)")
@@ -261,7 +314,7 @@ def frontier(points):
     return out
 
 
-def plot_frontier(rows, path, meta):
+def plot_frontier(rows, path, meta, grammar):
     """Speed (whole run against unpatched) against PSNR (against the reference run), one panel per preset; the exact
     floor and its 1 dB band; the frontier."""
     import matplotlib
@@ -277,7 +330,8 @@ def plot_frontier(rows, path, meta):
         pts = [(r["whole_vs_unpatched"], min(r["psnr"], cap), r["row"]) for r in rs]
         for x, y, name in pts:
             exact = next((r.get("exact") for r in rs if r["row"] == name), False)
-            ax.plot(x, y, "o", color="#888" if exact else "#c33" if name == "auto" else "#369")
+            selector = grammar.role_of(name) == grammar.SELECTOR
+            ax.plot(x, y, "o", color="#888" if exact else "#c33" if selector else "#369")
             ax.annotate(name, (x, y), fontsize=6, xytext=(3, 3), textcoords="offset points")
         fr = frontier(pts)
         ax.plot([x for x, _, _ in fr], [y for _, y, _ in fr], "k--", lw=0.8, label="frontier")

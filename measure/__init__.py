@@ -5,7 +5,11 @@ with: :mod:`..attention.reference`) and ``nodes/`` (the ComfyUI adapter: the ove
 declarations).  This package uses them, never the other way round:
 
 - :mod:`.e2e`: the end-to-end benchmark engine (real ComfyUI sampling, one row per way of running attention), used by
-  the Attention Benchmark (end to end) node, ``bench_e2e.py`` and ``tests/gpu``; :mod:`.pictures` draws its results.
+  the Attention Benchmark (end to end) node, ``bench_e2e.py`` and ``tests/gpu``. Its parts: :mod:`.rows` (what a
+  row's name means: one table of row kinds), :mod:`.core_nodes` (ComfyUI's own attention nodes as rows),
+  :mod:`.peer` (the kernel called straight from the hook), :mod:`.presets` (ComfyUI's model classes at full size),
+  :mod:`.stats` (medians, intervals, paired ratios, the exact floor), :mod:`.report` (the table and the targets);
+  :mod:`.pictures` draws its results.
 - :mod:`.bench`: the kernel-level benchmark (the Attention Benchmark node, ``bench_kernels.py``), on inputs from
   :mod:`.inputs`.
 - :mod:`.quality` (PSNR/SSIM of a finished run), :mod:`.calibrate` (the ``auto`` gate and tuning budget against the

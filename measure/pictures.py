@@ -2,9 +2,9 @@
 its difference to the unpatched row.
 
 - :func:`chart`: per preset, every row at (whole-run speed against unpatched, PSNR against the reference run), labelled;
-  the exact floor (the exact kernels' PSNR, :func:`.e2e.add_floor`) as a line and the band ``BAND_DB`` below it (a row
+  the exact floor (the exact kernels' PSNR, :func:`.stats.add_floor`) as a line and the band ``BAND_DB`` below it (a row
   inside loses at most that much against what exact kernels reach).  Rows whose output equals the reference's (PSNR
-  infinite) sit on a lane at the top.
+  infinite) sit on a lane at the top.  Exact rows are grey, the selectors' (:mod:`.rows`) red, the others blue.
 - :func:`frames`: per row, its final latent decoded (a VAE's ``decode``, ComfyUI's layout: ``[B, H, W, 3]``, or
   ``[B, T, H, W, 3]`` for video, of which a few frames are shown), then a heatmap of the absolute difference to the
   unpatched row's decoded output on one fixed scale for every row (black: none; square-root scale, white at
@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from PIL import Image, ImageDraw, ImageFont
 
-from .e2e import UNPATCHED
+from .rows import SELECTOR, UNPATCHED, role_of
 
 log = logging.getLogger("patch_attention.e2e")
 
@@ -214,7 +214,7 @@ def _panel(d: ImageDraw.ImageDraw, box, preset: str, rows: list[dict]) -> Axes |
     marks = [(ax.x(_speed(r)), ax.y(r["psnr"]), r) for r in sorted(pts, key=lambda r: (-r["psnr"], _speed(r)))]
     taken = [(px - 5, py - 5, px + 5, py + 5) for px, py, _ in marks]  # labels keep off every point
     for px, py, r in marks:
-        colour = EXACT if r.get("exact") else AUTO if r["row"].startswith("auto") else OTHER
+        colour = EXACT if r.get("exact") else AUTO if role_of(r["row"]) == SELECTOR else OTHER
         d.ellipse([px - 4, py - 4, px + 4, py + 4], fill=colour)
         _label(d, taken, px, py, r["row"], colour, small, (ax.left, ax.top - 28, ax.right + 140, ax.bottom))
     if missing:

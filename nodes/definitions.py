@@ -24,7 +24,7 @@ from ..attention.sparge_profile import (
 )
 from . import files
 from .patch import GATE_OWN, SPARSE_START, SparseSettings, patch_model, tune_model
-from .progress import progress_bar
+from .progress import progress_bar, progress_text
 
 CATEGORY = "model_patches/attention"
 # The settings that SpargeAttn Settings and Sol-Attn Settings hand to Patch Attention (the type was SPARGE_SETTINGS;
@@ -358,21 +358,22 @@ def run_benchmark(presets, shapes="", dtype="bf16", reps=10):
     from ..measure import bench
 
     wanted = [p.strip() for p in presets.split(",") if p.strip()]
-    unknown = [p for p in wanted if p not in bench.PRESETS]
+    unknown = [p for p in wanted if p not in bench.SHAPE_PRESETS]
     if unknown:
-        raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(bench.PRESETS)}")
+        raise ValueError(f"unknown preset(s) {', '.join(unknown)}; known: {', '.join(bench.SHAPE_PRESETS)}")
     shape_list = [s.strip() for s in shapes.replace(";", "\n").splitlines() if s.strip()]
     if not wanted and not shape_list:
         raise ValueError("nothing to time: give presets, shapes, or both")
-    table = bench.parse_shapes(wanted, shape_list)
+    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+    table = bench.parse_shapes(wanted, shape_list, device=device)  # presets with fewer tokens on a CPU
     if not wanted:  # parse_shapes takes every preset for an empty list
         table = {k: v for k, v in table.items() if k in shape_list}
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
     check_shapes_fit(table, device)
-    bar = progress_bar(bench.row_count(table, device))
+    bar = progress_bar(bench.tick_count(table, device, reps=reps))
     meta, rows = bench.run(table, dtype=dtype, reps=reps, device=device,
-                           progress=(lambda: bar.update(1)) if bar is not None else True)
-    return (bench.render_markdown(meta, rows, bench.PRESETS),)
+                           progress=(lambda: bar.update(1)) if bar is not None else True,
+                           announce=lambda text: progress_text(f"Attention Benchmark: {text}"))
+    return (bench.render_markdown(meta, rows, bench.SHAPE_PRESETS),)
 
 
 def shape_bytes(shape, device) -> int:
@@ -422,19 +423,21 @@ BENCH = Node(
     node_id="AttentionBenchmark",
     display_name="Attention Benchmark",
     description="Times every attention backend usable on this GPU (and auto, and ComfyUI's default) on model shapes, "
-                "with speed-ups against SDPA from the same run and accuracy against fp32 SDPA. Takes seconds to minutes. "
-                "Without a CUDA GPU it times PyTorch's SDPA kernels on the CPU.",
+                "in interleaved rounds (every row once per round): each row's median and the range of its rounds, "
+                "speed-ups against SDPA from the same rounds, accuracy against fp32 SDPA. Says before it starts how "
+                "many calls it makes and about how long they take. Without a CUDA GPU it times PyTorch's SDPA kernels "
+                "on the CPU, on the presets with fewer tokens (under a minute for the defaults).",
     search_aliases=["benchmark", "speed test", "attention benchmark", "kernel benchmark", "attention", *KERNEL_WORDS,
                     "compare kernels"],
     inputs=[
         In("presets", "STRING", "sd15,sdxl,flux", "Comma-separated presets: sd15, sd15-cross, sdxl, sd3, flux, "
-           "wan-480p, hunyuan-480p (video ones take minutes on a GPU; on a CPU use small shapes below). Empty: only "
-           "your shapes."),
+           "wan-480p, hunyuan-480p (on a CPU they run with fewer tokens; video ones take minutes on a GPU). Empty: "
+           "only your shapes."),
         In("shapes", "STRING", "", "Your own shapes, one per line: B,H,N,D or B,H,N,D,Nk (batch, heads, query tokens, "
            "head dim, key tokens).", multiline=True),
         In("dtype", "COMBO", "bf16", "Data type of the inputs (bf16 or fp16).", options=["bf16", "fp16"]),
-        In("reps", "INT", 10, "Back-to-back calls per timing round (a count; 5 rounds, the median is reported).",
-           min=1, max=1000, step=1),
+        In("reps", "INT", 10, "Back-to-back calls per row in each of the 15 interleaved rounds (a count; fewer where "
+           "one call is long), the median and the range over the rounds reported.", min=1, max=1000, step=1),
     ],
     outputs=[("STRING", "report")],
     fn=run_benchmark,
@@ -455,12 +458,12 @@ def _sampling_options():
 
 def validate_rows(cls, rows=None):
     """Prompt validation of the end-to-end benchmark's rows: readable, and a profile they name is a listed file."""
-    from ..measure import e2e
+    from ..measure.rows import parse_row
 
     try:
         for r in (rows or "").replace(";", ",").split(","):
             if r.strip() and r.strip() != "all":
-                opts = e2e.parse_row(r.strip())[1]
+                opts = parse_row(r.strip())[1]
                 if "profile" in opts:
                     files.resolve_profile(opts["profile"], BENCH_E2E_NAME)
     except files.FileNameError as e:
@@ -472,9 +475,10 @@ def validate_rows(cls, rows=None):
 
 def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0, sampler_name="euler", scheduler="simple",
                       seed=0, rows="all", peers=True, compile=False, vae=None):
-    from ..measure import e2e, pictures
+    from ..measure import e2e, pictures, report
+    from ..measure.rows import rows_from_text
 
-    row_list = e2e.rows_from_text(rows, peers=peers)
+    row_list = rows_from_text(rows, peers=peers)
     job = e2e.Job(model, positive, negative, latent_image["samples"], steps=steps, cfg=cfg, sampler=sampler_name,
                   scheduler=scheduler, seed=seed, label=type(model.model.diffusion_model).__name__,
                   profiles=lambda name, variant: load_profile(name, variant, BENCH_E2E_NAME))
@@ -482,15 +486,15 @@ def run_benchmark_e2e(model, positive, negative, latent_image, steps=4, cfg=5.0,
     with _progress(len(row_list), "end-to-end benchmark") as progress:
         results = e2e.measure(job, row_list, compile=compile, progress=lambda r: progress(r["row"]), final_latents=latents)
     what = f"{steps} {sampler_name}/{scheduler} steps per row after a 2-step warm-up, cfg {cfg}"
-    report = e2e.render_markdown(results, f"{what}; final latent compared with the unpatched model's (PSNR/SSIM: each "
-                                          f"channel of each frame as an image)")
+    text = report.render_markdown(results, f"{what}; final latent compared with the unpatched model's (PSNR/SSIM: each "
+                                           f"channel of each frame as an image)")
     chart = pictures.chart(results, f"Attention Benchmark (end to end): {what}").image
     if vae is None:
         frames = pictures.message("No VAE connected: connect your model's VAE to see each row's decoded output beside "
                                   "its difference to the unpatched row.")
     else:
         frames = pictures.frames(results, latents, vae.decode).image
-    return report, pictures.to_image(chart), pictures.to_image(frames)
+    return text, pictures.to_image(chart), pictures.to_image(frames)
 
 
 @contextlib.contextmanager
@@ -535,9 +539,9 @@ BENCH_E2E = Node(
         In("sampler_name", "COMBO", "euler", "Sampler, as in your KSampler.", options=SAMPLERS),
         In("scheduler", "COMBO", "simple", "Scheduler, as in your KSampler.", options=SCHEDULERS),
         In("seed", "INT", 0, "Noise seed (the same for every row).", min=0, max=2**31 - 1, step=1),
-        In("rows", "STRING", "all", "'all', or a comma-separated list of unpatched, auto, auto_exact, backend names, "
-           "peer:<backend>, core:kitchen-int8, core:sol-attn, or a sparse backend with options, e.g. "
-           "kitchen_sol[tau=2.0] or sparge[profile=my_model.json] (a file in models/sparge_profiles)."),
+        In("rows", "STRING", "all", "'all', or a comma-separated list of rows as the report names them, e.g. unpatched, "
+           "auto, sage, peer:sage, core:sol-attn, kitchen_sol[tau=2.0] or sparge[profile=my_model.json] (a file in "
+           "models/sparge_profiles); an unknown name's error lists every kind of row."),
         In("peers", "BOOLEAN", True, "With 'all': add a peer row per kernel, which calls the kernel straight from ComfyUI's hook."),
         In("compile", "BOOLEAN", False, "Run every row under torch.compile (inductor); the compile time falls in the warm-up, not in the timing."),
         In("vae", "VAE", None, "Optional: your model's VAE. Each row's final latent is decoded (once, after the timing) "

@@ -21,3 +21,18 @@ def progress_bar(total: int, node_id: str | None = None):
     except ImportError:
         return None
     return comfy.utils.ProgressBar(total, node_id=node_id if node_id is not None else executing_node())
+
+
+def progress_text(text: str, node_id: str | None = None) -> None:
+    """``text`` shown on node ``node_id`` (default: the executing one) while it runs, as ComfyUI's own nodes show
+    theirs; nothing outside ComfyUI's executor."""
+    node_id = node_id if node_id is not None else executing_node()
+    if node_id is None:
+        return
+    try:
+        from server import PromptServer
+    except ImportError:
+        return
+    server = getattr(PromptServer, "instance", None)
+    if server is not None:
+        server.send_progress_text(text, node_id)

@@ -83,7 +83,7 @@ def test_auto_and_the_benchmarks_read_its_declaration(copy):
     assert "toy" in candidates and "toy_slow" not in candidates and "sdpa_math" not in candidates
     measure = importlib.import_module(pack.__name__ + ".measure")
     assert importlib.import_module(measure.__name__ + ".bench").SKIP_BY_DEFAULT == {"sdpa_math", "toy_slow"}
-    rows = importlib.import_module(measure.__name__ + ".e2e").default_rows(peers=False)
+    rows = importlib.import_module(measure.__name__ + ".rows").default_rows(peers=False)
     assert "toy" in rows and "toy_slow" not in rows
 
 

@@ -338,11 +338,11 @@ def test_median_interval_is_distribution_free():
 
     from pack import load
 
-    e2e = importlib.import_module(load().__name__ + ".measure.e2e")
+    stats = importlib.import_module(load().__name__ + ".measure.stats")
     # n = 30: ranks 10 and 21 (1-based) bound the median with 95.7 % coverage; n = 8: the whole range (99.2 %)
-    assert e2e.median_ci(list(range(30, 0, -1))) == (15.5, 10, 21)
-    assert e2e.median_ci([3, 1, 2, 8, 5, 4, 7, 6]) == (4.5, 1, 8)
-    med, lo, hi = e2e.paired_ratio([1.0, 2.0, 4.0], [1.0, 1.0, 2.0])  # ratios 1, 2, 2
+    assert stats.median_ci(list(range(30, 0, -1))) == (15.5, 10, 21)
+    assert stats.median_ci([3, 1, 2, 8, 5, 4, 7, 6]) == (4.5, 1, 8)
+    med, lo, hi = stats.paired_ratio([1.0, 2.0, 4.0], [1.0, 1.0, 2.0])  # ratios 1, 2, 2
     assert (med, lo, hi) == (2.0, 1.0, 2.0)
 
 
@@ -371,7 +371,7 @@ def test_benchmark_rounds_give_paired_ratios_against_unpatched_peer_and_best(pac
 
     _, _, whole = e2e._timed_sample(job.model, job)
     assert whole > 0 and not job.model.get_wrappers(pe.WrappersMP.SAMPLER_SAMPLE, e2e.TIMER_KEY)  # none left behind
-    md = e2e.render_markdown(rows)
+    md = importlib.import_module(mod.__name__ + ".measure.report").render_markdown(rows)
     assert "whole run: s/step, vs unpatched" in md
     assert by["auto"]["best_row"] in ("unpatched", "sdpa_math")
     assert "paired per round" in md and "vs peer ×" in md and f"vs {by['auto']['best_row']} (best) ×" in md
@@ -419,10 +419,12 @@ def test_benchmark_profiles_the_last_step_of_a_run(pack, monkeypatch):
 
 def test_peer_row_calls_the_kernel_straight_from_the_hook(pack):
     mod, _ = pack
-    e2e = mod.measure.e2e
+    import importlib
+
+    rows = importlib.import_module(mod.__name__ + ".measure.rows")
     base = tiny_flux()
     ref = sample(base)
-    m = e2e.make_row_model(base, "peer:sdpa_math")
+    m = rows.make_row_model(base, "peer:sdpa_math")
     assert rel(sample(m), ref) < 1e-4
     assert mod.nodes.patch.override_of(m) is None  # not Patch Attention's override: a bare function in the hook
 

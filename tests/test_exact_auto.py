@@ -395,7 +395,8 @@ def test_end_to_end_benchmark_has_an_auto_exact_row(comfy_pack):
 
     mod, _, _ = comfy_pack
     e2e = importlib.import_module(mod.__name__ + ".measure.e2e")
-    assert "auto_exact" in e2e.default_rows(peers=False)
+    report = importlib.import_module(mod.__name__ + ".measure.report")
+    assert "auto_exact" in importlib.import_module(mod.__name__ + ".measure.rows").default_rows(peers=False)
     pos, neg = flux_conds()
     job = e2e.Job(tiny_flux(), pos, neg, torch.zeros(1, 16, 16, 16), steps=2, label="tiny")
     rows = e2e.measure(job, ["unpatched", "sdpa_math", "auto_exact"], rounds=3)
@@ -403,6 +404,6 @@ def test_end_to_end_benchmark_has_an_auto_exact_row(comfy_pack):
     ax = by["auto_exact"]
     assert ax["rel_l1"] < 1e-4 and ax["auto_exact"] == FAST and FAST in ax["kernels"]
     assert ax["best_row"] in ("unpatched", "sdpa_math") and "vs_best" in ax["paired"]
-    targets = {t["target"].split(" (")[0] for t in e2e.targets(rows)}
+    targets = {t["target"].split(" (")[0] for t in report.targets(rows)}
     assert targets == {"auto_exact within 2% of the best exact row", "auto_exact within 2% of unpatched"}
-    assert "(auto_exact: t_exact_fast)" in e2e.render_markdown(rows)
+    assert "(auto_exact: t_exact_fast)" in report.render_markdown(rows)

@@ -149,7 +149,7 @@ def test_every_measure_and_node_module_imports_alone():
     res = _import_each(names)
     failed = {n: r["error"] for n, r in res.items() if r["error"]}
     assert not failed, failed
-    assert "pa_layering_pack.measure.e2e" in res["measure.pictures"]["measure"]
+    assert "pa_layering_pack.measure.rows" in res["measure.pictures"]["measure"]
 
 
 RUN = r"""

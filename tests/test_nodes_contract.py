@@ -227,13 +227,13 @@ def test_benchmark_node_without_a_gpu_times_sdpa_on_the_cpu_and_says_so():
         cls().run(presets=" ", shapes="", dtype="bf16", reps=1)
 
 
-def test_benchmark_rows_are_counted_for_the_progress_bar():
+def test_benchmark_rounds_are_counted_for_the_progress_bar():
     bench = importlib.import_module(P.__name__ + ".measure.bench")
     ticks = []
     table = bench.parse_shapes([], ["1,1,64,32"])
     table = {k: v for k, v in table.items() if k == "1,1,64,32"}
     meta, rows = bench.run(table, reps=1, warmup=1, device=torch.device("cpu"), progress=lambda: ticks.append(1))
-    assert len(ticks) == len(rows) == bench.row_count(table, torch.device("cpu")) == 4
+    assert len(rows) == 4 and len(ticks) == bench.tick_count(table, torch.device("cpu"), reps=1) == 4 * (1 + bench.ROUNDS)
 
 
 def test_end_to_end_benchmark_returns_its_report_and_two_images_and_takes_an_optional_vae():

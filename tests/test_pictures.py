@@ -10,7 +10,8 @@ from pack import load
 
 M = load().__name__ + ".measure"
 pic = import_module(M + ".pictures")
-e2e = import_module(M + ".e2e")
+stats = import_module(M + ".stats")
+report = import_module(M + ".report")
 
 
 def _row(name, speed, psnr, exact=False, preset="standin-480p", ref="fp32"):
@@ -23,7 +24,7 @@ def _standin_rows():
     rows = [_row("unpatched", 1.0, 58.9, True), _row("sdpa_cudnn", 1.401, 58.74, True), _row("sage_fp8_sm90", 1.622, 56.36),
             _row("auto", 1.679, 46.15), _row("kitchen_sol", 1.66, 46.15),
             {"row": "flash_attn4", "preset": "standin-480p", "error": "not installed"}]
-    e2e.add_floor(rows)
+    stats.add_floor(rows)
     return rows
 
 
@@ -63,7 +64,7 @@ def test_chart_draws_the_exact_floor_and_the_band_below_it():
 def test_chart_without_a_floor_draws_no_band_and_puts_equal_rows_on_their_lane():
     rows = [_row("unpatched", 1.0, math.inf, True, "Flux", "unpatched"), _row("sdpa", 1.01, math.inf, True, "Flux", "unpatched"),
             _row("sage", 1.5, 50.0, False, "Flux", "unpatched")]
-    e2e.add_floor(rows)  # the only exact row besides the reference equals it: the floor is infinite
+    stats.add_floor(rows)  # the only exact row besides the reference equals it: the floor is infinite
     c = pic.chart(rows)
     (ax,) = c.panels
     assert ax.floor is None and ax.inf_lane is not None and ax.inf_lane < ax.y(50.0)
@@ -142,7 +143,7 @@ def test_bench_e2e_writes_the_chart_beside_its_json(tmp_path, capsys):
 
     a = argparse.Namespace(md=None, json=str(tmp_path / "e2e.json"), png=None, profile=False)
     meta = {"gpu": "GPU", "torch": "2.x", "date": "2026-01-01", "steps": 10}
-    bench_e2e.save(a, meta, "header", _standin_rows(), e2e, final=True)
+    bench_e2e.save(a, meta, "header", _standin_rows(), report, final=True)
     assert len(json.loads((tmp_path / "e2e.json").read_text())["rows"]) == 6
     with Image.open(tmp_path / "e2e-chart.png") as img:
         assert img.size == pic.chart(_standin_rows(), "t").image.size

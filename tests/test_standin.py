@@ -131,7 +131,7 @@ def test_benchmark_reports_psnr_and_ssim_against_the_fp32_run(trained, pack_back
     assert by["t_coarse"]["psnr"] < floor - 1 and "below the floor" in by["t_coarse"]["quality"]
     assert 0 < by["t_coarse"]["ssim"] < 1 and "psnr_frames" in by["t_coarse"]
     assert by["sdpa_math"]["psnr_vs_unpatched"] > 60 and by["unpatched"]["psnr_vs_unpatched"] == float("inf")
-    md = e2e.render_markdown(rows)
+    md = importlib.import_module(mod.__name__ + ".measure.report").render_markdown(rows)
     assert "PSNR dB / SSIM vs fp32" in md and "dB below the floor" in md and "Exact floor" in md
     assert "Exact kernels against the unpatched one (PSNR): sdpa_math " in md
 

@@ -54,7 +54,7 @@ WAN_1_3B = {"dim": 1536, "ffn_dim": 8960, "blocks": 3}  # heads = dim // 128 (Co
 TINY = {"dim": 128, "ffn_dim": 256, "blocks": 2}  # one head of 128: the CPU test's size
 TEXT_TOKENS = 512  # umt5's padded length in ComfyUI's Wan workflows
 LATENT_CHANNELS = 16
-PRESETS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}  # latent (T, H, W) of 81 frames: 32,760 and 75,600 tokens
+LATENT_GRIDS = {"480p": (21, 60, 104), "720p": (21, 90, 160)}  # latent (T, H, W) of 81 frames: 32,760 and 75,600 tokens
 KINDS = ("pan right", "pan left", "pan down", "pan up", "zoom in", "zoom out", "orbit", "still camera, moving objects")
 SHIFT = 8.0  # WAN21_T2V's sampling shift
 # training grids (latent T, H, W) and their share of steps: full 480p, 720p-wide, and smaller crops at the same pixel

@@ -187,7 +187,8 @@ def main(argv=None) -> int:
     import multigpu as MG
 
     pack, e2e, cpn = MG.load()
-    job = e2e.build_preset(a.preset)
+    presets = importlib.import_module(pack.__name__ + ".measure.presets")
+    job = presets.build_preset(a.preset)
     job.cfg, job.steps = 1.0, a.steps
     copies = []
     patch = pack.nodes.patch.patch_model
@@ -246,7 +247,7 @@ def main(argv=None) -> int:
         write(sorted({c.split("#")[0] for c in names} & set(FILE_CASES)))
         del job.model, base
         torch.cuda.empty_cache()
-        e2e.enable_dynamic_vram()
+        presets.enable_dynamic_vram()
 
     def from_file(name):
         if name not in files:

@@ -37,7 +37,7 @@ A = P.attention
 patch = P.nodes.patch
 import importlib  # noqa: E402
 
-e2e = importlib.import_module(P.__name__ + ".measure.e2e")
+peer = importlib.import_module(P.__name__ + ".measure.peer")
 
 SHAPES = {  # name: (batch, tokens, keys, heads, head dim)
     "small (host-bound)": (2, 128, 128, 10, 64),
@@ -73,7 +73,7 @@ def make_row(row, func, q, k, v, heads):
     topts = {}
     ov = None
     if row.startswith("peer:"):
-        topts["optimized_attention_override"] = e2e.peer_override(row[5:])
+        topts["optimized_attention_override"] = peer.peer_override(row[5:])
     elif row != "comfyui":
         name, _, flag = row.partition("/")
         cfg = A.AttentionConfig(backend=name, check_finite=False if flag == "no-nan-net" else "deferred")

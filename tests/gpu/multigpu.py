@@ -70,12 +70,13 @@ def copies(e2e, job, preset):
     import comfy.multigpu
     import comfy.supported_models as sm
 
-    cls, unet = e2e.PRESETS[preset][:2]
+    presets = importlib.import_module(e2e.__package__ + ".presets")
+    cls, unet = presets.MODEL_PRESETS[preset].model_class, presets.MODEL_PRESETS[preset].unet
     base = job.model
     out = []
     for i in range(1, torch.cuda.device_count()):
         dev = torch.device("cuda", i)
-        mc = getattr(sm, cls)(e2e.model_config(cls, unet))
+        mc = getattr(sm, cls)(presets.model_config(cls, unet))
         mc.set_inference_dtype(torch.bfloat16, None)
         model = mc.get_model({}, device=dev)
         model.diffusion_model.load_state_dict(base.model.diffusion_model.state_dict())
@@ -404,7 +405,7 @@ def main(argv=None):
         print(s, flush=True)
 
     t0 = time.perf_counter()
-    job = e2e.build_preset(a.preset)
+    job = importlib.import_module(pack.__name__ + ".measure.presets").build_preset(a.preset)
     job.cfg, job.steps = a.cfg, a.steps
     extra = copies(e2e, job, a.preset)
     say(f"built {a.preset} on {torch.cuda.device_count()} GPUs in {time.perf_counter() - t0:.0f} s")

@@ -168,13 +168,13 @@ def capture_calls(sd, patcher, grid, pos, neg, steps, at_steps, max_calls=6):
     return calls
 
 
-def per_call_accuracy(pack, calls, row: str, e2e) -> dict:
+def per_call_accuracy(pack, calls, row: str, grammar) -> dict:
     """(worst cos, worst rel-L1, first call's cos, rel-L1) of a lossy row's kernel on the captured calls against fp32
     attention, as auto's tuning compares; per-layer profile options where the row has a profile."""
     A = pack.attention
     ref_mod = importlib.import_module(pack.__name__ + ".attention.reference")
-    base, opts = e2e.parse_row(row)
-    settings = e2e.row_settings(base, opts) if opts else None
+    base, opts = grammar.parse_row(row)
+    settings = grammar.row_settings(base, opts) if opts else None
     options = settings.options if settings else {}
     out = []
     for c in calls:
@@ -269,7 +269,7 @@ def mode(tiny: bool, sd) -> dict:
     """What the stage runs: the H100 sizes, or ``--tiny`` (the same flow on the CPU with a tiny model, for a dry run:
     tests/test_standin.py runs it)."""
     if not tiny:
-        return {"device": "cuda", "geometry": sd.WAN_1_3B, "g480": sd.PRESETS["480p"], "g720": sd.PRESETS["720p"],
+        return {"device": "cuda", "geometry": sd.WAN_1_3B, "g480": sd.LATENT_GRIDS["480p"], "g720": sd.LATENT_GRIDS["720p"],
                 "steps480": 10, "steps720": 6, "conc_steps480": (2, 5, 8), "conc_steps720": (2, 4), "calib_steps": {2, 6},
                 "tune_steps": 5, "chunk": 1024, "train": {}, "extra_rows": []}
     return {"device": "cpu", "geometry": sd.TINY, "g480": (3, 8, 12), "g720": (3, 12, 16), "steps480": 4, "steps720": 4,
@@ -342,6 +342,8 @@ def main(argv=None):
         sys.exit("quality: needs a CUDA GPU (--tiny: a dry run on the CPU)")
     pack = be._load_pack()
     e2e = importlib.import_module(pack.__name__ + ".measure.e2e")
+    grammar = importlib.import_module(pack.__name__ + ".measure.rows")
+    report = importlib.import_module(pack.__name__ + ".measure.report")
     pictures = importlib.import_module(pack.__name__ + ".measure.pictures")
     patch = importlib.import_module(pack.__name__ + ".nodes.patch")
     conc = importlib.import_module(pack.__name__ + ".measure.concentration")
@@ -349,7 +351,7 @@ def main(argv=None):
     auto_mod = importlib.import_module(pack.__name__ + ".attention.auto")
     sd = be.standin_module()
     REG = pack.attention.REGISTRY
-    AUTO_ROWS = list(e2e.AUTO_ROWS)  # measured last (after the tuned profiles): auto, and the faster, lossier choice
+    AUTO_ROWS = list(grammar.AUTO_ROWS)  # measured last (after the tuned profiles): auto, and the faster, lossier choice
     M = mode(a.tiny, sd)
     if a.tiny:
         register_dryrun_backend(pack)
@@ -471,10 +473,10 @@ def main(argv=None):
                    f"rel-L1 vs unpatched {r['rel_l1']:.4f}, kernels {r.get('kernels', '')[:80]}")
 
     def usable(row):
-        base = e2e.parse_row(row)[0]
+        base = grammar.parse_row(row)[0]
         if base == "unpatched" or base in AUTO_ROWS:
             return True
-        if base == e2e.CORE_SOL:
+        if base == grammar.CORE_SOL:
             return REG.get("kitchen_sol").available
         return base in REG and REG.get(base).available
 
@@ -494,7 +496,7 @@ def main(argv=None):
             r.pop("profile", None)
         for r in res:  # the step under the profiler: attention's share, and the step without it (a bound on any kernel)
             if r["row"] in prof_rows and "error" not in r and st.left() > 40:
-                p = e2e.profile_one_step(e2e.make_row_model(j.model, r["row"], j.profiles), j)
+                p = e2e.profile_one_step(grammar.make_row_model(j.model, r["row"], j.profiles), j)
                 r["attention_profile"] = {k: p[k] for k in ("step", "wall_ms", "device_ms", "attention_ms")}
                 st.say(f"profile {key} {r['row']}: step {p['wall_ms']} ms wall, {p['device_ms']} ms on the device, "
                        f"attention kernels {p['attention_ms']} ms")
@@ -503,8 +505,8 @@ def main(argv=None):
         pictures.frames(res, finals, j.extra["vae_decode"]).image.save(os.path.join(st.out, f"{key}-frames.png"))
         del finals
         st.res[key] = res
-        st.res[key + "-md"] = e2e.render_markdown(res)
-        st.res[key + "-targets"] = e2e.targets(res) + e2e.quality_targets(res, sparse_target=SPARSE_TARGETS.get(key))
+        st.res[key + "-md"] = report.render_markdown(res)
+        st.res[key + "-targets"] = report.targets(res) + report.quality_targets(res, sparse_target=SPARSE_TARGETS.get(key))
         for t in st.res[key + "-targets"]:
             st.say(f"target {key}: {t['target']}: x{t['ratio']:.3f} {'met' if t['met'] else 'MISSED' if t['applies'] else 'n/a'}"
                    f" ({t['detail']})")
@@ -573,7 +575,7 @@ def main(argv=None):
         per_call = {}
         for row in [r["row"] for r in lossy_main] + budget_rows + sweep:
             try:
-                per_call[row] = per_call_accuracy(pack, calls, row, e2e)
+                per_call[row] = per_call_accuracy(pack, calls, row, grammar)
                 pc = per_call[row]
                 st.say(f"per-call {row}: worst cos {pc['cos']:.5f}, worst rel-L1 {pc['rel_l1']:.4f} (first call "
                        f"{pc['first_cos']:.5f} / {pc['first_rel_l1']:.4f})")
@@ -598,7 +600,7 @@ def main(argv=None):
             setting = {}
             if "profile=" in name:
                 b = next((bb for (v, bb), p in profiles.items() if p in name), None)
-                setting = {"budget": b, "variant": e2e.parse_row(name)[0]}
+                setting = {"budget": b, "variant": grammar.parse_row(name)[0]}
             pts[name] = cal.Point(name, r["s_per_step_whole"], r["psnr"], exact=bool(r.get("exact")), cos=pc.get("cos"),
                                   rel_l1=pc.get("rel_l1"), setting=setting)
         points = [p for n, p in pts.items() if n not in AUTO_ROWS]

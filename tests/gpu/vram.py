@@ -198,7 +198,9 @@ def main():
             json.dump({"meta": meta, "rows": results}, open(a.json, "w"), indent=1)
         return
     e2e = importlib.import_module("pa_pack.measure.e2e")
-    job = e2e.build_preset(a.preset)
+    presets = importlib.import_module("pa_pack.measure.presets")
+    grammar = importlib.import_module("pa_pack.measure.rows")
+    job = presets.build_preset(a.preset)
     job.steps = 1
     originals = {key: getattr(*key) for key in container_forwards()}
     results = []
@@ -206,7 +208,7 @@ def main():
         for key, fn in container_forwards().items():
             setattr(key[0], key[1], fn if mode == "containers" else originals[key])
         for row in [r.strip() for r in a.rows.split(",") if r.strip()]:
-            m = e2e.make_row_model(job.model, row)
+            m = grammar.make_row_model(job.model, row)
             torch.cuda.synchronize()
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
@@ -236,7 +238,7 @@ def main():
     for key, fn in originals.items():
         setattr(key[0], key[1], fn)
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "preset": a.preset,
-            "description": e2e.PRESETS[a.preset][6]}
+            "description": presets.MODEL_PRESETS[a.preset].description}
     lines = [f"{meta['gpu']}, torch {meta['torch']}: {meta['description']}; one Euler step (CFG batch); peak = "
              "torch.cuda.max_memory_allocated during the step (weights included)", "",
              "| row | q/k/v | peak GiB | step s | kernels |", "|---|---|---|---|---|"]
