@@ -15,8 +15,8 @@ import gc
 import pytest
 import test_context_parallel
 import torch
-from test_cp_a14b import devices
 from test_context_parallel import _case, rel_l1
+from test_cp_a14b import devices
 
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI with the zoo's families and the pack loaded
 devices = devices  # the fixture: ComfyUI sees n devices
