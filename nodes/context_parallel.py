@@ -15,7 +15,8 @@ What the Context Parallel node puts on its clone of the model (nothing else chan
 - **An APPLY_MODEL wrapper** (:class:`SplitForwardWrapper`), outermost: each forward of the first GPU hands the same
   inputs, copied to each other GPU, to that GPU's model in its worker thread, with a
   :class:`~..parallel.context.RankContext` in the forward's ``transformer_options`` and the family unit's block patches;
-  it returns the first GPU's output.
+  it returns the first GPU's output.  Their diffusion models run the first GPU's diffusion-model call: its
+  DIFFUSION_MODEL wrappers (a step cache's decision among them) run there only, once for every GPU (:mod:`.handoff`).
 - **torch.compile**: a forward it splits runs every GPU's model uncompiled (ComfyUI's TorchCompileModel wrapper left out
   of that forward's wrappers; the first GPU's too, through its model's ``apply_model`` as on the others).  TorchCompileModel
   keeps no guard on ``transformer_options``, so code it compiled for the model unsplit (an earlier run) would run again
@@ -42,6 +43,7 @@ from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
+from .handoff import Handoff
 from .hook import COMPILE_KEY, OVERRIDE_KEY, SharedWrapper, bind, host_function, take
 from .progress import executing_node
 
@@ -214,7 +216,7 @@ class Run:
         self.grad, self.inference = grad, inference
         self.said = set()
         self.shown = []  # what the run said on the canvas, in order
-        self.forwards = self.split_forwards = 0
+        self.forwards = self.split_forwards = self.reused = 0
 
     def patch_models(self, unit, undo: list) -> None:
         """The unit's changes to every GPU's model for this run, each one's undoing appended to ``undo`` as it is
@@ -264,8 +266,9 @@ class RunWrapper(_Wrapper):
             if run is not None:
                 run.close()
                 if run.forwards:
-                    log.info("%s: %d of %d forwards split over %d GPUs", NODE, run.split_forwards, run.forwards,
-                             max(len(g) for g in run.groups))
+                    log.info("%s: %d of %d forwards split over %d GPUs%s", NODE, run.split_forwards, run.forwards,
+                             max(len(g) for g in run.groups),
+                             f" ({run.reused} reused a step cache's output)" if run.reused else "")
             restore()
 
     @staticmethod
@@ -326,18 +329,22 @@ class SplitForwardWrapper(_Wrapper):
             cp.say("compile", "torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they measured no "
                    "faster: docs/multi-gpu.md); forwards on one GPU stay compiled")
         futures = []
+        handoff = Handoff(_to)  # the other GPUs run the first GPU's diffusion-model call (nodes/handoff.py)
         for r in range(1, group.size):
             dev, model = ranks[r]
             worker = run.workers[(ranks[0][0], r)]
             futures.append(worker.submit(self._rank, run, model, ctxs[r], dev, (x, t, c_concat, c_crossattn, control),
-                                         self.rank_options(topts, ctxs[r], keys, dev, uncompiled), kwargs))
+                                         handoff.following(self.rank_options(topts, ctxs[r], keys, dev, uncompiled)),
+                                         kwargs))
         try:
-            first = self.rank_options(topts, ctxs[0], keys, None, uncompiled)
+            first = handoff.leading(self.rank_options(topts, ctxs[0], keys, None, uncompiled))
             if uncompiled:
                 out = executor.class_obj.apply_model(x, t, c_concat, c_crossattn, control, first, **kwargs)
             else:
                 out = executor(x, t, c_concat, c_crossattn, control, first, **kwargs)
+            handoff.end()
         except BaseException as e:
+            handoff.end()
             group.abort(e)
             concurrent.futures.wait(futures)
             if isinstance(e, GroupAborted):  # another GPU failed first: its error is the one to report
@@ -346,9 +353,10 @@ class SplitForwardWrapper(_Wrapper):
         err = _first_error(futures)
         if err is not None:
             raise err
-        if ctxs[0].split:
+        if ctxs[0].split or ctxs[0].split is None:  # split, or no block ran: a step cache reused an output
             with cp._lock:
-                run.split_forwards += 1
+                run.split_forwards += bool(ctxs[0].split)
+                run.reused += ctxs[0].split is None
         else:
             cp.say("whole:" + ctxs[0].why, f"a forward of {cp.unit.name} ran on one GPU: {ctxs[0].why}", show=True)
         return out

@@ -19,6 +19,7 @@ from ..attention.auto import FAST_MAX_REL_L1, FAST_MIN_COS, default_cache_path
 from ..attention.sparge_profile import SpargeProfile
 from .compose import SampleWrapper, install, previous_override
 from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
+from .loaded import drop_released
 from .nan_net import ForwardWrapper, as_float, model_hides_nan, output_flag
 from .override import AttentionOverride, in_ranges
 
@@ -123,6 +124,7 @@ def patch_model(
     the calls Patch Attention leaves dense (:mod:`.compose`).
     """
     check_hook()
+    drop_released()  # before a MultiGPU node after this one reuses ComfyUI's loaded copies (nodes/loaded.py)
     m = model.clone()
     if backend == "disabled":
         return install(m, None)

@@ -126,6 +126,11 @@
 #                  sdpa_cudnn,flash_attn4; those not installed are reported as such), CP_ZOO_BUDGET seconds (default
 #                  270), CP_ZOO_ONLY=a,b, CP_ZOO_GPUS=n, CP_ZOO_CASE_TIMEOUT (default 60 s), CP_ZOO_DEVICE=cpu (the dry
 #                  run: fp32, ranks simulated as threads); fails when a case fails
+#   soak           ComfyUI's server with a tiny random-weight Wan 2.1 file, SOAK_PROMPTS (default 216) prompts through /prompt
+#                  (tests/gpu/soak.py): backends SOAK_BACKENDS (default disabled,sdpa,auto,auto_exact,sage_fp8_sm90) x one
+#                  GPU, Context Parallel and ComfyUI's MultiGPU CFG Split (SOAK_GPUS, default 2) x CFG 1 and 5, the backend
+#                  changed between prompts; failed prompts (0 expected), host RSS and each GPU's memory (flat expected) in
+#                  soak.md and soak.json, ComfyUI's log in soak-server.log; fails on a failed prompt or growth
 #
 # The runner's exit status is 1 when a stage returned non-zero (cp-zoo, cp-compose and cp-compose-dynamic on a failing case).
 set -u
@@ -490,6 +495,17 @@ stage_cp-zoo() {
   echo "not run here (cases):"
   grep -E "^cp-zoo [^ ]+ [^ ]+: not (installed|runnable here) \(" "$OUT/cp-zoo.txt" | sed -E 's/^cp-zoo [^ ]+ //' \
     | sort | uniq -c
+  return $(( rc != 0 ))
+}
+
+stage_soak() {
+  timeout "${SOAK_LIMIT:-540}" $PY tests/gpu/soak.py --out "$OUT" --prompts "${SOAK_PROMPTS:-216}" \
+    --backends "${SOAK_BACKENDS:-disabled,sdpa,auto,auto_exact,sage_fp8_sm90}" --gpus "${SOAK_GPUS:-2}" \
+    > "$OUT/soak.txt" 2>&1
+  local rc=$?
+  echo "tests/gpu/soak.py exit status $rc; every prompt in soak.txt and soak.md"
+  grep -E "FAILED|Traceback|Error" "$OUT/soak.txt" | head -n 20
+  head -n 16 "$OUT/soak.md" 2>/dev/null
   return $(( rc != 0 ))
 }
 

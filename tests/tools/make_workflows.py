@@ -37,6 +37,10 @@ IO = {
     "EmptyHunyuanLatentVideo": ([], ["width", "height", "length", "batch_size"], [("LATENT", "LATENT")]),
     "KSampler": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"), ("latent_image", "LATENT")],
                  ["seed", "steps", "cfg", "sampler_name", "scheduler", "denoise"], [("LATENT", "LATENT")]),
+    "KSamplerAdvanced": ([("model", "MODEL"), ("positive", "CONDITIONING"), ("negative", "CONDITIONING"),
+                          ("latent_image", "LATENT")],
+                         ["add_noise", "noise_seed", "steps", "cfg", "sampler_name", "scheduler", "start_at_step",
+                          "end_at_step", "return_with_leftover_noise"], [("LATENT", "LATENT")]),
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [], [("IMAGE", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
     "SaveAnimatedWEBP": ([("images", "IMAGE")], ["filename_prefix", "fps", "lossless", "quality", "method"], []),
@@ -94,6 +98,12 @@ MODELS = {
     "umt5_xxl_fp8_e4m3fn_scaled.safetensors": (
         "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/text_encoders/"
         "umt5_xxl_fp8_e4m3fn_scaled.safetensors?download=true", "text_encoders"),
+    "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": (
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors", "diffusion_models"),
+    "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": (
+        "https://huggingface.co/Comfy-Org/Wan_2.2_ComfyUI_Repackaged/resolve/main/split_files/diffusion_models/"
+        "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors", "diffusion_models"),
     "wan_2.1_vae.safetensors": (
         "https://huggingface.co/Comfy-Org/Wan_2.1_ComfyUI_repackaged/resolve/main/split_files/vae/wan_2.1_vae.safetensors"
         "?download=true", "vae"),
@@ -126,10 +136,10 @@ SCALE = 1.0  # the zoom a template opens at: the frontend's own text size (layou
 # tests/test_browser.py checks that it keeps every size written here and that no two boxes overlap.
 SLOT, WIDGET, TEXT_BOX, BOTTOM, NO_WIDGETS = 20, 24, 54, 14, 6
 TEXT_BOXES = {"CLIPTextEncode": 1, "AttentionBackendsInfo": 1}  # Backends Info: its report box (web/patch_attention.js)
-EXTRA_WIDGETS = {"KSampler": 1, "AttentionBackendsInfo": 1}  # the seed's "control after generate"; the report box
+EXTRA_WIDGETS = {"KSampler": 1, "KSamplerAdvanced": 1, "AttentionBackendsInfo": 1}  # "control after generate"; the report box
 # widths: the frontend's own least is 140-250 for these nodes; loaders show most of a model file's name
 WIDTH = {"CheckpointLoaderSimple": 300, "UNETLoader": 300, "CLIPLoader": 300, "DualCLIPLoader": 300,
-         "CLIPTextEncode": 270, "EmptyHunyuanLatentVideo": 260, "VAEDecode": 160}
+         "CLIPTextEncode": 270, "EmptyHunyuanLatentVideo": 260, "VAEDecode": 160, "KSamplerAdvanced": 254}
 DEFAULT_WIDTH = 250
 # room for what they show: the prompt, the report (it scrolls), the image once sampled
 EXTRA_HEIGHT = {"CLIPTextEncode": 12, "AttentionBackendsInfo": 32, "SaveImage": 100}
@@ -411,6 +421,52 @@ def wan_multigpu_graph():
     return {**g, "nodes": nodes + patch_group}
 
 
+# ComfyUI's own Wan 2.2 14B text-to-video template: its files, its size (1280x704, 121 frames), 20 euler steps at CFG 3.5,
+# the high-noise expert for the first 10; its ModelSamplingSD3 nodes set shift 8, the models' own (left out here)
+WAN22_FILES = {"high": "wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors",
+               "low": "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors"}
+WAN22_NOTE = (
+    "Wan 2.2 A14B on several GPUs: two expert models, the high-noise one for the first 10 of the 20 steps and the "
+    "low-noise one for the rest (the files, size and sampling of ComfyUI's own Wan 2.2 14B template), each through a "
+    "Context Parallel node of its own. Each expert is copied to every GPU, so each must fit on one. For Patch "
+    "Attention's kernels, put one before each Context Parallel node (the Wan 2.1 template on several GPUs shows how).\n"
+    + inputs_note("ContextParallel", defaults("ContextParallel")) + "\n\nNot measured with these two models yet. "
+    "Wan 2.1 14B, the size of each expert, ran x1.97 per step against one GPU at CFG 5 on 2x H100 (ComfyUI 0.33, 480p, "
+    "81 frames, random weights, auto_exact, a prompt per GPU). Needs ComfyUI 0.33 or later."
+)
+
+
+def wan22_multigpu_graph():
+    """Wan 2.2 A14B: a UNETLoader -> Context Parallel chain per expert, and two KSampler (Advanced), the first leaving
+    noise for the second (the decoder under the high-noise sampler, the save node under the low-noise one, the video
+    size with the loaders: so the graph fits the window at zoom 1)."""
+    ks = {"noise_seed": 42, "steps": 20, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple"}
+    nodes = [
+        (1, "UNETLoader", {"unet_name": WAN22_FILES["high"], "weight_dtype": "default"}, {}, 0),
+        (2, "UNETLoader", {"unet_name": WAN22_FILES["low"], "weight_dtype": "default"}, {}, 0),
+        (3, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
+        (4, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
+        (13, "EmptyHunyuanLatentVideo", {"width": 1280, "height": 704, "length": 121, "batch_size": 1}, {}, 0),
+        (11, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
+         {"clip": (3, 0)}, 2),
+        (12, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (3, 0)}, 2),
+        (20, "Note", {"text": WAN22_NOTE}, {}, 1),
+        (9, "ContextParallel", defaults("ContextParallel"), {"model": (1, 0)}, 1),
+        (10, "ContextParallel", defaults("ContextParallel"), {"model": (2, 0)}, 1),
+        (14, "KSamplerAdvanced", {"add_noise": "enable", **ks, "start_at_step": 0, "end_at_step": 10,
+                                  "return_with_leftover_noise": "enable"},
+         {"model": (9, 0), "positive": (11, 0), "negative": (12, 0), "latent_image": (13, 0)}, 3),
+        (16, "VAEDecode", {}, {"samples": (15, 0), "vae": (4, 0)}, 3),
+        (15, "KSamplerAdvanced", {"add_noise": "disable", **ks, "start_at_step": 10, "end_at_step": 10000,
+                                  "return_with_leftover_noise": "disable"},
+         {"model": (10, 0), "positive": (11, 0), "negative": (12, 0), "latent_image": (14, 0)}, 3),
+        (17, "SaveAnimatedWEBP", {"filename_prefix": "context_parallel_wan22", "fps": 16.0, "lossless": False,
+                                  "quality": 90, "method": "default"}, {"images": (16, 0)}, 3),
+    ]
+    return {"groups": [("Load, video size", 0), ("Prompt", 2), ("Several GPUs", 1), ("Sample and save", 3)],
+            "nodes": nodes}
+
+
 TUNE_WIDGETS = {**defaults("TuneSpargeAttn"), "variant": "sparge", "profile_name": "wan2.1_t2v_1.3B"}
 SETTINGS_WIDGETS = {**defaults("SpargeAttnSettings"), "variant": "sparge", "profile": "wan2.1_t2v_1.3B.json"}
 SPARSE_PATCH = patch_widgets(backend="sparge", log_stats=True)
@@ -661,7 +717,7 @@ def to_ui(graph):
         values = []
         for w in widget_names:
             values.append(widgets.get(w))
-            if typ == "KSampler" and w == "seed":
+            if (typ, w) in (("KSampler", "seed"), ("KSamplerAdvanced", "noise_seed")):
                 values.append(SEED_CONTROL)
         inputs = []
         for name, t in link_ins:
@@ -698,6 +754,7 @@ WORKFLOWS = {
     "Wan 2.1 video 480p 81 frames": wan_graph(),
     "Wan 2.1 sparse attention tuning": sparge_graph(),
     "Wan 2.1 video on several GPUs": wan_multigpu_graph(),
+    "Wan 2.2 A14B video on several GPUs": wan22_multigpu_graph(),
 }
 
 
@@ -714,6 +771,8 @@ DESCRIPTIONS = {
                                        "profile in the next.",
     "Wan 2.1 video on several GPUs": "Wan 2.1 1.3B 480p on all your GPUs: Context Parallel after Patch Attention. "
                                      "x1.99 on 2x H100, CFG 5, ComfyUI 0.33.",
+    "Wan 2.2 A14B video on several GPUs": "Wan 2.2 A14B text to video, 1280x704, 121 frames: both experts on all your "
+                                          "GPUs, a Context Parallel node each. ComfyUI 0.33+.",
 }
 
 
