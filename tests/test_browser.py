@@ -2,8 +2,8 @@
 1600x1000 window, in the frontend the release under test pins (ComfyUI 0.33: 1.49; 0.3.64: 1.27).
 
 - The report nodes (Attention Backends Info, Attention Benchmark on CPU shapes) run from the page and their report is
-  on the node, in the read-only box web/patch_attention.js adds; the benchmark's rows move ComfyUI's progress bar on
-  the node.
+  on the node, in the box web/patch_attention.js adds: its pipe tables drawn as tables, its text read-only to select
+  and copy; the benchmark's rows move ComfyUI's progress bar on the node.
 - Every example workflow loads with no missing node type, no error dialog and no console error from the pack; its
   saved view shows the whole graph in the window at zoom 1 (text at the frontend's own size); every widget holds the
   value in the JSON; every node keeps the size the JSON gives it and no two overlap; every loader names its model files
@@ -143,9 +143,13 @@ const [shape, done] = [arguments[0], arguments[arguments.length - 1]];
     document.querySelectorAll('.p-toast-message').forEach(t => t.remove());
     app.graph.setDirtyCanvas(true, true);
     await new Promise(r => setTimeout(r, 800));
-    const boxes = [...document.querySelectorAll('textarea[data-patch-attention-report]')].map(t => {
-      const r = t.getBoundingClientRect();
-      return {node: t.dataset.patchAttentionReport, text: t.value, readOnly: t.readOnly, visible: t.offsetParent !== null,
+    // each report node's box: the report drawn (its tables as tables) and its text, read-only
+    const boxes = [...document.querySelectorAll('.pa-report')].map(b => {
+      const r = b.getBoundingClientRect(), t = b.querySelector('textarea[data-patch-attention-report]');
+      const tables = [...b.querySelectorAll('.pa-report-view table')].map(
+        table => [...table.rows].map(row => [...row.cells].map(c => c.textContent)));
+      return {node: b.dataset.patchAttentionNode, text: t.value, readOnly: t.readOnly, visible: b.offsetParent !== null,
+              textShown: t.offsetParent !== null, drawn: b.querySelector('.pa-report-view').innerText, tables,
               box: [r.left, r.top, r.width, r.height]};
     });
     done({before, ids: [String(info.id), String(bench.id)], boxes, progress,
@@ -156,9 +160,23 @@ const [shape, done] = [arguments[0], arguments[arguments.length - 1]];
 """
 
 
+def markdown_tables(text: str) -> list:
+    """The pipe tables of a report, as rows of cells (the separator row left out)."""
+    tables, rows = [], []
+    for line in text.split("\n") + [""]:
+        if line.startswith("|"):
+            if not re.fullmatch(r"\|(\s*-{3,}\s*\|)+", line.strip()):
+                rows.append([c.strip().replace("`", "") for c in line.strip().strip("|").split("|")])
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
 def test_report_nodes_show_their_report_on_the_canvas(browser):
-    """Backends Info and the kernel benchmark, run from the page on the CPU: the report is in a read-only box on each
-    node, the benchmark's progress reached the node's bar, and the report is not saved with the workflow."""
+    """Backends Info and the kernel benchmark, run from the page on the CPU: the report is on each node, its pipe tables
+    drawn as tables and its text kept read-only beside them, the benchmark's progress reached the node's bar, and the
+    report is not saved with the workflow."""
     res = browser.execute_async_script(RUN_REPORTS, "1,2,256,64")
     browser.save_screenshot(os.path.join(shots(), "report-on-canvas.png"))
     assert "error" not in res, res.get("error")
@@ -166,7 +184,7 @@ def test_report_nodes_show_their_report_on_the_canvas(browser):
     assert res["before"]["info"] == ""  # the box is there, empty, before the node has run
     assert "no CUDA GPU" in info_text and "[      yes] sdpa" in info_text and "nothing to install" in info_text
     assert bench_text.startswith("CPU · torch") and "| sdpa_math |" in bench_text and "| 1,2,256,64 |" in bench_text
-    # drawn on the canvas: the frontend's text box, inside the window, read-only, holding the report
+    # drawn on the canvas: the report's box, inside the window, holding the report's text read-only
     on_screen = {b["node"]: b for b in res["boxes"] if b["visible"]}
     assert set(on_screen) == {"AttentionBackendsInfo", "AttentionBenchmark"}, res["boxes"]
     for node, text in (("AttentionBackendsInfo", info_text), ("AttentionBenchmark", bench_text)):
@@ -174,11 +192,63 @@ def test_report_nodes_show_their_report_on_the_canvas(browser):
         assert b["text"] == text and b["readOnly"]
         x, y, width, height = b["box"]
         assert 0 <= x and x + width <= res["view"][0] and 0 <= y and y + height <= res["view"][1] and height > 60, b
+    # the benchmark's two tables (speed, accuracy) as table elements with the report's cells; Backends Info, which has
+    # none, drawn as its text with its columns' spacing
+    bench = on_screen["AttentionBenchmark"]
+    assert bench["tables"] == markdown_tables(bench_text) and len(bench["tables"]) == 2, bench["tables"]
+    assert bench["tables"][0][0] == ["backend", "1,2,256,64"] and bench["tables"][0][2][0] == "sdpa_math"
+    assert "| sdpa_math |" not in bench["drawn"] and not bench["textShown"]
+    info = on_screen["AttentionBackendsInfo"]
+    assert info["tables"] == [] and "[      yes] sdpa" in info["drawn"]
     # ComfyUI's progress bar on the benchmark node: one step per timed row, up to the whole count
     bench_id = res["ids"][1]
     mine = [p for p in res["progress"] if str(p.get("node")) == bench_id]
     assert mine and mine[-1]["value"] == mine[-1]["max"] == 4, res["progress"]  # sdpa, sdpa_math, auto, a peer
     assert res["saved"] == ["", "1,2,256,64", "bf16", 10]  # the inputs only: the report is output
+    assert not pack_errors(browser)
+
+
+COPY = """
+const [button, done] = [arguments[0], arguments[arguments.length - 1]];
+(async () => {
+  try {
+    const box = document.querySelector('.pa-report[data-patch-attention-node="AttentionBenchmark"]');
+    const t = box.querySelector('textarea');
+    const out = {shown: t.offsetParent !== null, value: t.value};
+    if (button === 'Copy') out.clipboard = await navigator.clipboard.readText();
+    if (button === 'Text') { t.focus(); t.select(); out.selected = t.value.slice(t.selectionStart, t.selectionEnd); }
+    done(out);
+  } catch (e) { done({error: String(e)}); }
+})();
+"""
+
+
+def test_a_report_s_text_is_there_to_copy(browser):
+    """After the run above: the benchmark node's Text button shows the report's text (markdown, as the node returns
+    it), selectable; its Copy button puts that text on the clipboard; Report shows the tables again."""
+    from selenium.webdriver.common.by import By
+
+    url = re.match(r"https?://[^/]+", browser.current_url).group(0)
+    browser.execute_cdp_cmd("Browser.grantPermissions", {"origin": url, "permissions": ["clipboardReadWrite",
+                                                                                       "clipboardSanitizedWrite"]})
+    box = browser.find_element(By.CSS_SELECTOR, '.pa-report[data-patch-attention-node="AttentionBenchmark"]')
+    report, text, copy = box.find_elements(By.CSS_SELECTOR, ".pa-report-bar button")
+    assert [b.text for b in (report, text, copy)] == ["Report", "Text", "Copy"]
+    want = browser.execute_script("return arguments[0].querySelector('textarea').value", box)
+    assert "| sdpa_math |" in want
+    text.click()
+    res = browser.execute_async_script(COPY, "Text")
+    browser.save_screenshot(os.path.join(shots(), "report-as-text.png"))
+    assert "error" not in res, res.get("error")
+    assert res["shown"] and res["selected"] == want
+    copy.click()
+    time.sleep(0.3)
+    res = browser.execute_async_script(COPY, "Copy")
+    assert "error" not in res, res.get("error")
+    assert res["clipboard"] == want and copy.text in ("Copied", "Copy")
+    report.click()
+    assert not browser.execute_async_script(COPY, "")["shown"]
+    assert box.find_elements(By.CSS_SELECTOR, ".pa-report-view table")
     assert not pack_errors(browser)
 
 
