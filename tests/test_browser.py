@@ -394,8 +394,10 @@ def test_templates_are_listed_and_served_under_their_titles(browser):
         assert r["json"] == 200 and r["nodes"] > 5 and r["jpg"] == 200 and r["jpgType"].startswith("image/jpeg"), (name, r)
 
 
-def _search(browser, words: str) -> list:
-    """What the node search box lists for ``words``: it opens on a double click on the empty canvas."""
+def _search(browser, words: str, shot: str = "") -> tuple:
+    """What the node search box shows for ``words`` (it opens on a double click on the empty canvas): every line of its
+    text, and the results in their order (each one's first line: its display name). ``shot``: a screenshot's name,
+    taken with the results shown."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -411,29 +413,39 @@ def _search(browser, words: str) -> list:
         box = shown[0]
     box.send_keys(words)
     time.sleep(1.5)
-    text = browser.execute_script(
+    text, results = browser.execute_script(
         "const d = [...document.querySelectorAll('.p-dialog, .comfy-vue-node-search-container')]"
-        "  .filter(x => x.offsetParent !== null); return d.map(x => x.innerText).join('\\n');")
+        "  .filter(x => x.offsetParent !== null);"
+        "const items = d.flatMap(x => [...x.querySelectorAll('[role=option]')]).filter(o => o.offsetParent !== null);"
+        "return [d.map(x => x.innerText).join('\\n'), items.map(o => o.innerText.trim().split('\\n')[0].trim())];")
+    if shot:
+        browser.save_screenshot(os.path.join(shots(), shot))
     box.send_keys(Keys.ESCAPE)
     time.sleep(0.3)
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    return [line.strip() for line in text.splitlines() if line.strip()], results
 
 
 def test_the_node_search_finds_patch_attention_by_the_words_people_type(browser):
+    """Frontend 1.49 (ComfyUI 0.33): a kernel's name lists Patch Attention first, above the core nodes with
+    "attention" in their names that the fuzzy match finds too and the pack's SpargeAttn Settings (web/patch_attention.js
+    ranks its search aliases as the frontend ranks names); a word in none of its aliases keeps the frontend's order."""
     url = re.match(r"https?://[^/]+", browser.current_url).group(0)
     info = json.loads(urllib.request.urlopen(url + "/object_info/PatchAttention", timeout=10).read())["PatchAttention"]
     if not info.get("search_aliases"):
         # ComfyUI 0.3.64 sends no search aliases and its frontend (1.27) searches node names only
-        lines = _search(browser, "patch attention")
-        browser.save_screenshot(os.path.join(shots(), "node-search.png"))
+        lines, _ = _search(browser, "patch attention", shot="node-search.png")
         assert "Patch Attention" in lines, lines
         pytest.skip(f"ComfyUI {release()} sends no search aliases: only the name finds the node here")
-    for words in ("sageattention", "flash attention", "xformers", "speed up"):
-        lines = _search(browser, words)
-        if words == "sageattention":
-            browser.save_screenshot(os.path.join(shots(), "node-search.png"))
+    for words in ("sageattention", "sage attention", "flash attention", "sparge"):
+        lines, results = _search(browser, words, shot="node-search.png" if words == "sageattention" else "")
+        assert results and results[0] == "Patch Attention", (words, results[:6])
+    for words in ("xformers", "speed up"):
+        lines, _ = _search(browser, words)
         assert "Patch Attention" in lines, (words, lines)
-    assert "Attention Benchmark" in _search(browser, "benchmark")
+    assert "Attention Benchmark" in _search(browser, "benchmark")[0]
+    _, results = _search(browser, "save")
+    assert results[0].startswith("Save") and "Patch Attention" not in results[:10], results[:10]
+    assert not pack_errors(browser)
 
 
 def _click_title(browser, res, node, ctrl=False):

@@ -6,8 +6,10 @@
 //    (report_view.js), and its text, read-only, to select or copy.
 // 2. A workflow saved before an input or type was renamed opens with the current names: both frontends keep a saved
 //    node's slots as the file has them (name, type and link), so the old names are replaced here, links kept.
+// 3. The node search ranks Patch Attention first for the kernel names people type (frontend 1.49).
 import { app } from "../../scripts/app.js";
 import { renderReport, reportSize } from "./report_view.js";
+import { byRank, nameRank } from "./search_rank.js";
 
 // nodes/definitions.py: the nodes whose first output is a text report (tests/test_browser.py checks the two agree)
 const REPORT_NODES = ["AttentionBackendsInfo", "AttentionBenchmark", "AttentionBenchmarkE2E"];
@@ -207,10 +209,45 @@ function renameSlots(node) {
   }
 }
 
+// Frontend 1.49 ranks a node search's matches by where the typed words are in each node's name or display name
+// (0: the whole name, 1: its start, 2: one of its words, 3: inside it, 4: all its words, 5: all inside it, 9: none),
+// then by how often the node is used in shared workflows (a table it bundles), then by the fuzzy score. Search
+// aliases only decide whether a node matches: words found only in Patch Attention's aliases ("sageattention", "flash
+// attention", "sparge") ranked it 9, below the core nodes with a usage count that matched as loosely (UNet Self
+// Attention Multiply, Self-Attention Guidance), and below SpargeAttn Settings for "sparge". The frontend hands each
+// match's scores to the node definition's postProcessSearchScores (it copies the fields of the definition it is given
+// onto its own): there Patch Attention's aliases are ranked as its name is, by the frontend's rules above.
+const SEARCH_BY_ALIASES = ["PatchAttention"];
+
+// The frontend does not pass the query on: during a search it is the text of the focused search box.
+function typedQuery() {
+  const el = document.activeElement;
+  return el instanceof HTMLInputElement && el.value ? el.value.toLocaleLowerCase() : null;
+}
+
+function rankAliasesAsNames(defs) {
+  for (const def of defs ?? []) {
+    if (!SEARCH_BY_ALIASES.includes(def?.name) || !def.search_aliases?.length) continue;
+    const aliases = [...def.search_aliases];
+    def.postProcessSearchScores = function (scores) {
+      const own = Object.getPrototypeOf(this)?.postProcessSearchScores; // puts the usage count second
+      const out = typeof own === "function" ? own.call(this, scores) : [...scores];
+      const query = typedQuery();
+      if (!query) return out;
+      const best = aliases.map((a) => nameRank(query, a)).sort(byRank)[0];
+      if (byRank(best, [out[0], out[2], out[3]]) < 0) [out[0], out[2], out[3]] = best;
+      return out;
+    };
+  }
+}
+
 app.registerExtension({
   name: "PatchAttention",
   loadedGraphNode(node) {
     renameSlots(node);
+  },
+  beforeRegisterVueAppNodeDefs(defs) {
+    rankAliasesAsNames(defs);
   },
   async beforeRegisterNodeDef(nodeType, nodeData) {
     if (!REPORT_NODES.includes(nodeData.name)) return;
