@@ -8,6 +8,9 @@
   saved view shows the whole graph in the window at zoom 1 (text at the frontend's own size); every widget holds the
   value in the JSON; every node keeps the size the JSON gives it and no two overlap; every loader names its model files
   with their download URLs; queueing it fails only on the model files this machine does not have.
+- From the template browser (its side-bar button, the pack's entry, a template's card with its picture) every
+  template opens at its saved view too, and the picture each thumbnail is cut from shows the graph without the
+  frontend's marks for the model files this machine lacks.
 - The tuning template's second run is what its note says: the clicks and Ctrl+B it names bypass the tuner and turn
   SpargeAttn Settings and Patch Attention on.
 - The node search finds Patch Attention by the words people type ("sageattention", "flash attention", ...).
@@ -334,6 +337,12 @@ def test_workflow_in_the_real_frontend(browser, path):
     # requirements are missing: its model-to-node store then throws on the absent upscale-model loader)
     placeholders = {n["type"] for n in res["nodes"] if not n["built"]} - FRONTEND_ONLY
     assert not placeholders, f"nodes the frontend could not build: {placeholders}"
+    # the picture its thumbnail is cut from (tests/tools/make_workflows.py --thumbnails): the graph as it opens on a
+    # machine with the model files, without the frontend's marks and notices for files this one lacks
+    pic = browser.execute_async_script(PICTURE, wf)
+    assert "error" not in pic, pic.get("error")
+    browser.save_screenshot(os.path.join(shots(), f"picture-{name}.png"))
+    assert pic["ds"] == res["ds"] and not pic["toasts"], pic
     # queueing from the frontend: the server refuses what needs model files this machine does not have, and nothing
     # else (it still queues the rest: Attention Backends Info, which needs no model, runs and shows its report)
     q = browser.execute_async_script(QUEUE)
@@ -346,6 +355,33 @@ def test_workflow_in_the_real_frontend(browser, path):
             missing_model = e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name"))
             missing_profile = field == "profile" and "is not in models/sparge_profiles" in e.get("details", "")
             assert missing_model or missing_profile, f"node {nid} ({err.get('class_type')}): {e}"
+
+
+# The workflow loaded again as the frontend loads one without checking its model files (frontend 1.49's
+# skipAssetScans: no red ring, no "... is missing" notice; frontend 1.27's Missing Models dialog is closed), with the
+# minimap and notices off the canvas.
+PICTURE = """
+const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
+(async () => {
+  try {
+    if (window.app.clean) window.app.clean();
+    await window.app.loadGraphData(wf, true, true, null, {skipAssetScans: true});
+    const setting = window.app.extensionManager && window.app.extensionManager.setting;
+    if (setting && setting.set) await setting.set('Comfy.Minimap.Visible', false);
+    await new Promise(r => setTimeout(r, 800));
+    for (const d of [...document.querySelectorAll('.p-dialog, .comfy-modal')].filter(d => d.offsetParent !== null)) {
+      const x = d.querySelector('.p-dialog-close-button, .p-dialog-header-close, button[aria-label="Close"]');
+      if (x) x.click();
+    }
+    document.querySelectorAll('.p-toast-message').forEach(t => t.remove());
+    window.app.graph.setDirtyCanvas(true, true);
+    await new Promise(r => setTimeout(r, 500));
+    const ds = window.app.canvas.ds;
+    done({ds: {scale: ds.scale, offset: [...ds.offset]},
+          toasts: [...document.querySelectorAll('.p-toast-message')].map(t => t.innerText)});
+  } catch (e) { done({error: String(e)}); }
+})();
+"""
 
 
 QUEUE = """
@@ -392,6 +428,76 @@ def test_templates_are_listed_and_served_under_their_titles(browser):
     assert set(res["names"]) == want
     for name, r in res["got"].items():
         assert r["json"] == 200 and r["nodes"] > 5 and r["jpg"] == 200 and r["jpgType"].startswith("image/jpeg"), (name, r)
+
+
+TEMPLATE_VIEW = """
+const done = arguments[arguments.length - 1];
+const ds = window.app.canvas.ds, rect = window.app.canvas.canvas.getBoundingClientRect();
+const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+const shown = [...document.querySelectorAll('.p-dialog, [role=dialog]')].filter(d => d.offsetParent !== null);
+done({ds: {scale: ds.scale, offset: [...ds.offset]}, canvas: [rect.left, rect.top, rect.width, rect.height],
+      extra: window.app.graph.extra, nodes: window.app.graph._nodes.map(n => [n.pos[0], n.pos[1] - title, n.size[0],
+      n.size[1] + title]), dialogs: shown.map(d => d.innerText.slice(0, 300))});
+"""
+
+
+def _close_dialogs(browser):
+    from selenium.webdriver.common.by import By
+
+    for x in browser.find_elements(By.CSS_SELECTOR, ".p-dialog-close-button, .p-dialog-header-close, "
+                                                    "[role=dialog] button[aria-label='Close']"):
+        if x.is_displayed():
+            x.click()
+            time.sleep(0.3)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_templates_open_from_the_template_browser_at_their_saved_view(browser, path):
+    """As a user opens a template: the Templates button in the side bar, the pack's entry, the template's card (its
+    picture, the .jpg). It opens at its saved view, zoom 1, the whole graph in the window, in both frontends (1.49
+    fits a template opened this way into 75 % of the canvas: 0.82 here before web/patch_attention.js restored the view).
+    """
+    from selenium.webdriver.common.by import By
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    wf = json.load(open(path))
+    _close_dialogs(browser)
+    browser.find_element(By.CSS_SELECTOR, "button[aria-label='Templates']").click()
+    time.sleep(2.5)
+    entry = browser.execute_script(
+        "return [...document.querySelectorAll('[role=dialog] *')].filter(e => e.offsetParent !== null)"
+        "  .findLast(e => e.children.length === 0 && e.textContent.trim() === 'ComfyUI-PatchAttention')")
+    assert entry is not None, "the template browser lists no ComfyUI-PatchAttention"
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", entry)  # the list's end, after a first use
+    time.sleep(0.3)
+    entry.click()
+    time.sleep(1.5)
+    card = browser.find_element(By.CSS_SELECTOR, f'[data-testid="template-workflow-{name}"]')
+    # the card shows the thumbnail (512x512, tests/tools/make_workflows.py), fetched by the frontend
+    for _ in range(20):
+        pictures = browser.execute_script("return [...arguments[0].querySelectorAll('img')]"
+                                          "  .map(i => [i.naturalWidth, i.naturalHeight])", card)
+        if [512, 512] in pictures:
+            break
+        time.sleep(0.5)
+    assert [512, 512] in pictures, pictures
+    card.click()
+    time.sleep(3)
+    res = browser.execute_async_script(TEMPLATE_VIEW)
+    browser.save_screenshot(os.path.join(shots(), f"template-browser-{name}.png"))
+    _close_dialogs(browser)
+    assert res["extra"]["ds"] == wf["extra"]["ds"]  # the template that opened is this one
+    assert res["ds"]["scale"] == pytest.approx(wf["extra"]["ds"]["scale"]) == MIN_SCALE, res["ds"]
+    assert res["ds"]["offset"] == pytest.approx(wf["extra"]["ds"]["offset"]), res["ds"]
+    (ox, oy), scale = res["ds"]["offset"], res["ds"]["scale"]
+    left, top, width, height = res["canvas"]
+    for x, y, w, h in res["nodes"]:
+        sx, sy = (x + ox) * scale, (y + oy) * scale
+        assert 0 <= sx and sx + w * scale <= width and 0 <= sy and sy + h * scale <= height, (name, [x, y, w, h])
+    # the only dialog: the model files to download (frontend 1.27)
+    for text in res["dialogs"]:
+        assert "missing models" in text.lower(), text
+    assert not pack_errors(browser)
 
 
 def _search(browser, words: str, shot: str = "") -> tuple:

@@ -6,7 +6,9 @@
 //    (report_view.js), and its text, read-only, to select or copy.
 // 2. A workflow saved before an input or type was renamed opens with the current names: both frontends keep a saved
 //    node's slots as the file has them (name, type and link), so the old names are replaced here, links kept.
-// 3. The node search ranks Patch Attention first for the kernel names people type (frontend 1.49).
+// 3. The pack's templates open at the view they were made for (zoom 1 in a 1600x1000 window) from the template
+//    browser too: frontend 1.49 fits every template opened there into 75 % of the canvas, which drew them at 82 %.
+// 4. The node search ranks Patch Attention first for the kernel names people type (frontend 1.49).
 import { app } from "../../scripts/app.js";
 import { renderReport, reportSize } from "./report_view.js";
 import { byRank, nameRank } from "./search_rank.js";
@@ -209,6 +211,37 @@ function renameSlots(node) {
   }
 }
 
+// The pack's templates carry extra.patch_attention.saved_view (tests/tools/make_workflows.py): their extra.ds is the
+// view they were laid out for. The frontend has applied it already when a template is opened as a file.
+const TEMPLATE_KEY = "patch_attention";
+
+/** Whether the canvas, at ``ds`` (scale, offset), shows every node of ``graph`` whole. */
+function showsEveryNode(graph, ds, width, height) {
+  const title = window.LiteGraph?.NODE_TITLE_HEIGHT ?? 30;
+  const nodes = graph._nodes ?? graph.nodes ?? [];
+  return nodes.length > 0 && nodes.every((n) => {
+    const x = (n.pos[0] + ds.offset[0]) * ds.scale;
+    const y = (n.pos[1] - title + ds.offset[1]) * ds.scale;
+    return x >= 0 && y >= 0 && x + n.size[0] * ds.scale <= width && y + (n.size[1] + title) * ds.scale <= height;
+  });
+}
+
+function restoreSavedView() {
+  const graph = app.graph;
+  const saved = graph?.extra?.ds;
+  const canvas = app.canvas;
+  if (!graph?.extra?.[TEMPLATE_KEY]?.saved_view || !saved?.offset || !canvas?.ds) return;
+  const ds = canvas.ds;
+  if (ds.scale === saved.scale && ds.offset[0] === saved.offset[0] && ds.offset[1] === saved.offset[1]) return;
+  const rect = canvas.canvas?.getBoundingClientRect?.();
+  // in a window too small for it, the frontend's fit (the whole graph, smaller) stays
+  if (!rect?.width || !showsEveryNode(graph, saved, rect.width, rect.height)) return;
+  ds.scale = saved.scale;
+  ds.offset[0] = saved.offset[0];
+  ds.offset[1] = saved.offset[1];
+  canvas.setDirty?.(true, true);
+}
+
 // Frontend 1.49 ranks a node search's matches by where the typed words are in each node's name or display name
 // (0: the whole name, 1: its start, 2: one of its words, 3: inside it, 4: all its words, 5: all inside it, 9: none),
 // then by how often the node is used in shared workflows (a table it bundles), then by the fuzzy score. Search
@@ -245,6 +278,9 @@ app.registerExtension({
   name: "PatchAttention",
   loadedGraphNode(node) {
     renameSlots(node);
+  },
+  async afterConfigureGraph() {
+    restoreSavedView();
   },
   beforeRegisterVueAppNodeDefs(defs) {
     rankAliasesAsNames(defs);
