@@ -181,6 +181,9 @@ def test_report_nodes_show_their_report_on_the_canvas(browser):
     drawn as tables and its text kept read-only beside them, the benchmark's progress reached the node's bar, and the
     report is not saved with the workflow."""
     res = browser.execute_async_script(RUN_REPORTS, "1,2,256,64")
+    # for the picture: the notices that came with the run ("Job completed") off the canvas
+    browser.execute_script("document.querySelectorAll('.p-toast-message, [role=status]')"
+                           "  .forEach(t => { t.style.visibility = 'hidden'; })")
     browser.save_screenshot(os.path.join(shots(), "report-on-canvas.png"))
     assert "error" not in res, res.get("error")
     info_text, bench_text = res["widgets"]

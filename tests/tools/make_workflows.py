@@ -776,7 +776,7 @@ def report_picture(shots: str, out: str = os.path.join(ROOT, "docs", "report-on-
     from PIL import Image
 
     shot = Image.open(os.path.join(shots, "report-on-canvas.png")).convert("RGB")
-    shot = shot.crop((90, 100, min(shot.width, 1562), min(shot.height, 722)))  # the two nodes, below the top bar
+    shot = shot.crop((90, 100, min(shot.width, 1562), min(shot.height, 600)))  # the two nodes, below the top bar
     shot.save(out, optimize=True)
     print("wrote", os.path.relpath(out, ROOT), shot.size)
 
