@@ -124,6 +124,7 @@ def test_main_runs_each_release_in_its_own_pytest_and_ends_with_the_summary(prep
 
     monkeypatch.setattr(run, "run_pytest", fake_pytest)
     monkeypatch.delenv("COMFYUI_PATH", raising=False)
+    monkeypatch.delenv("PYTHONPATH", raising=False)  # as run.py passes it on to a release without a site folder
     monkeypatch.setattr(run, "enclosing_comfyui", lambda: None)
     assert run.main(["--comfy-dir", prepared]) == 1  # the first failing run's status
     (a0, p0, s0), (a1, p1, s1) = calls
