@@ -2,12 +2,15 @@
 1600x1000 window, in the frontend the release under test pins (ComfyUI 0.33: 1.49; 0.3.64: 1.27).
 
 - The report nodes (Attention Backends Info, Attention Benchmark on CPU shapes) run from the page and their report is
-  on the node, in the read-only box web/patch_attention.js adds; the benchmark's rows move ComfyUI's progress bar on
-  the node.
+  on the node, in the box web/patch_attention.js adds: its pipe tables drawn as tables, its text read-only to select
+  and copy; the benchmark's rows move ComfyUI's progress bar on the node.
 - Every example workflow loads with no missing node type, no error dialog and no console error from the pack; its
   saved view shows the whole graph in the window at zoom 1 (text at the frontend's own size); every widget holds the
   value in the JSON; every node keeps the size the JSON gives it and no two overlap; every loader names its model files
   with their download URLs; queueing it fails only on the model files this machine does not have.
+- From the template browser (its side-bar button, the pack's entry, a template's card with its picture) every
+  template opens at its saved view too, and the picture each thumbnail is cut from shows the graph without the
+  frontend's marks for the model files this machine lacks.
 - The tuning template's second run is what its note says: the clicks and Ctrl+B it names bypass the tuner and turn
   SpargeAttn Settings and Patch Attention on.
 - The node search finds Patch Attention by the words people type ("sageattention", "flash attention", ...).
@@ -143,9 +146,13 @@ const [shape, done] = [arguments[0], arguments[arguments.length - 1]];
     document.querySelectorAll('.p-toast-message').forEach(t => t.remove());
     app.graph.setDirtyCanvas(true, true);
     await new Promise(r => setTimeout(r, 800));
-    const boxes = [...document.querySelectorAll('textarea[data-patch-attention-report]')].map(t => {
-      const r = t.getBoundingClientRect();
-      return {node: t.dataset.patchAttentionReport, text: t.value, readOnly: t.readOnly, visible: t.offsetParent !== null,
+    // each report node's box: the report drawn (its tables as tables) and its text, read-only
+    const boxes = [...document.querySelectorAll('.pa-report')].map(b => {
+      const r = b.getBoundingClientRect(), t = b.querySelector('textarea[data-patch-attention-report]');
+      const tables = [...b.querySelectorAll('.pa-report-view table')].map(
+        table => [...table.rows].map(row => [...row.cells].map(c => c.textContent)));
+      return {node: b.dataset.patchAttentionNode, text: t.value, readOnly: t.readOnly, visible: b.offsetParent !== null,
+              textShown: t.offsetParent !== null, drawn: b.querySelector('.pa-report-view').innerText, tables,
               box: [r.left, r.top, r.width, r.height]};
     });
     done({before, ids: [String(info.id), String(bench.id)], boxes, progress,
@@ -156,17 +163,34 @@ const [shape, done] = [arguments[0], arguments[arguments.length - 1]];
 """
 
 
+def markdown_tables(text: str) -> list:
+    """The pipe tables of a report, as rows of cells (the separator row left out)."""
+    tables, rows = [], []
+    for line in text.split("\n") + [""]:
+        if line.startswith("|"):
+            if not re.fullmatch(r"\|(\s*-{3,}\s*\|)+", line.strip()):
+                rows.append([c.strip().replace("`", "") for c in line.strip().strip("|").split("|")])
+        elif rows:
+            tables.append(rows)
+            rows = []
+    return tables
+
+
 def test_report_nodes_show_their_report_on_the_canvas(browser):
-    """Backends Info and the kernel benchmark, run from the page on the CPU: the report is in a read-only box on each
-    node, the benchmark's progress reached the node's bar, and the report is not saved with the workflow."""
+    """Backends Info and the kernel benchmark, run from the page on the CPU: the report is on each node, its pipe tables
+    drawn as tables and its text kept read-only beside them, the benchmark's progress reached the node's bar, and the
+    report is not saved with the workflow."""
     res = browser.execute_async_script(RUN_REPORTS, "1,2,256,64")
+    # for the picture: the notices that came with the run ("Job completed") off the canvas
+    browser.execute_script("document.querySelectorAll('.p-toast-message, [role=status]')"
+                           "  .forEach(t => { t.style.visibility = 'hidden'; })")
     browser.save_screenshot(os.path.join(shots(), "report-on-canvas.png"))
     assert "error" not in res, res.get("error")
     info_text, bench_text = res["widgets"]
     assert res["before"]["info"] == ""  # the box is there, empty, before the node has run
     assert "no CUDA GPU" in info_text and "[      yes] sdpa" in info_text and "nothing to install" in info_text
     assert bench_text.startswith("CPU · torch") and "| sdpa_math |" in bench_text and "| 1,2,256,64 |" in bench_text
-    # drawn on the canvas: the frontend's text box, inside the window, read-only, holding the report
+    # drawn on the canvas: the report's box, inside the window, holding the report's text read-only
     on_screen = {b["node"]: b for b in res["boxes"] if b["visible"]}
     assert set(on_screen) == {"AttentionBackendsInfo", "AttentionBenchmark"}, res["boxes"]
     for node, text in (("AttentionBackendsInfo", info_text), ("AttentionBenchmark", bench_text)):
@@ -174,11 +198,63 @@ def test_report_nodes_show_their_report_on_the_canvas(browser):
         assert b["text"] == text and b["readOnly"]
         x, y, width, height = b["box"]
         assert 0 <= x and x + width <= res["view"][0] and 0 <= y and y + height <= res["view"][1] and height > 60, b
+    # the benchmark's two tables (speed, accuracy) as table elements with the report's cells; Backends Info, which has
+    # none, drawn as its text with its columns' spacing
+    bench = on_screen["AttentionBenchmark"]
+    assert bench["tables"] == markdown_tables(bench_text) and len(bench["tables"]) == 2, bench["tables"]
+    assert bench["tables"][0][0] == ["backend", "1,2,256,64"] and bench["tables"][0][2][0] == "sdpa_math"
+    assert "| sdpa_math |" not in bench["drawn"] and not bench["textShown"]
+    info = on_screen["AttentionBackendsInfo"]
+    assert info["tables"] == [] and "[      yes] sdpa" in info["drawn"]
     # ComfyUI's progress bar on the benchmark node: one step per timed row, up to the whole count
     bench_id = res["ids"][1]
     mine = [p for p in res["progress"] if str(p.get("node")) == bench_id]
     assert mine and mine[-1]["value"] == mine[-1]["max"] == 4, res["progress"]  # sdpa, sdpa_math, auto, a peer
     assert res["saved"] == ["", "1,2,256,64", "bf16", 10]  # the inputs only: the report is output
+    assert not pack_errors(browser)
+
+
+COPY = """
+const [button, done] = [arguments[0], arguments[arguments.length - 1]];
+(async () => {
+  try {
+    const box = document.querySelector('.pa-report[data-patch-attention-node="AttentionBenchmark"]');
+    const t = box.querySelector('textarea');
+    const out = {shown: t.offsetParent !== null, value: t.value};
+    if (button === 'Copy') out.clipboard = await navigator.clipboard.readText();
+    if (button === 'Text') { t.focus(); t.select(); out.selected = t.value.slice(t.selectionStart, t.selectionEnd); }
+    done(out);
+  } catch (e) { done({error: String(e)}); }
+})();
+"""
+
+
+def test_a_report_s_text_is_there_to_copy(browser):
+    """After the run above: the benchmark node's Text button shows the report's text (markdown, as the node returns
+    it), selectable; its Copy button puts that text on the clipboard; Report shows the tables again."""
+    from selenium.webdriver.common.by import By
+
+    url = re.match(r"https?://[^/]+", browser.current_url).group(0)
+    browser.execute_cdp_cmd("Browser.grantPermissions", {"origin": url, "permissions": ["clipboardReadWrite",
+                                                                                       "clipboardSanitizedWrite"]})
+    box = browser.find_element(By.CSS_SELECTOR, '.pa-report[data-patch-attention-node="AttentionBenchmark"]')
+    report, text, copy = box.find_elements(By.CSS_SELECTOR, ".pa-report-bar button")
+    assert [b.text for b in (report, text, copy)] == ["Report", "Text", "Copy"]
+    want = browser.execute_script("return arguments[0].querySelector('textarea').value", box)
+    assert "| sdpa_math |" in want
+    text.click()
+    res = browser.execute_async_script(COPY, "Text")
+    browser.save_screenshot(os.path.join(shots(), "report-as-text.png"))
+    assert "error" not in res, res.get("error")
+    assert res["shown"] and res["selected"] == want
+    copy.click()
+    time.sleep(0.3)
+    res = browser.execute_async_script(COPY, "Copy")
+    assert "error" not in res, res.get("error")
+    assert res["clipboard"] == want and copy.text in ("Copied", "Copy")
+    report.click()
+    assert not browser.execute_async_script(COPY, "")["shown"]
+    assert box.find_elements(By.CSS_SELECTOR, ".pa-report-view table")
     assert not pack_errors(browser)
 
 
@@ -264,6 +340,12 @@ def test_workflow_in_the_real_frontend(browser, path):
     # requirements are missing: its model-to-node store then throws on the absent upscale-model loader)
     placeholders = {n["type"] for n in res["nodes"] if not n["built"]} - FRONTEND_ONLY
     assert not placeholders, f"nodes the frontend could not build: {placeholders}"
+    # the picture its thumbnail is cut from (tests/tools/make_workflows.py --thumbnails): the graph as it opens on a
+    # machine with the model files, without the frontend's marks and notices for files this one lacks
+    pic = browser.execute_async_script(PICTURE, wf)
+    assert "error" not in pic, pic.get("error")
+    browser.save_screenshot(os.path.join(shots(), f"picture-{name}.png"))
+    assert pic["ds"] == res["ds"] and not pic["toasts"], pic
     # queueing from the frontend: the server refuses what needs model files this machine does not have, and nothing
     # else (it still queues the rest: Attention Backends Info, which needs no model, runs and shows its report)
     q = browser.execute_async_script(QUEUE)
@@ -276,6 +358,33 @@ def test_workflow_in_the_real_frontend(browser, path):
             missing_model = e["type"] == "value_not_in_list" and (field.endswith("_name") or field.startswith("clip_name"))
             missing_profile = field == "profile" and "is not in models/sparge_profiles" in e.get("details", "")
             assert missing_model or missing_profile, f"node {nid} ({err.get('class_type')}): {e}"
+
+
+# The workflow loaded again as the frontend loads one without checking its model files (frontend 1.49's
+# skipAssetScans: no red ring, no "... is missing" notice; frontend 1.27's Missing Models dialog is closed), with the
+# minimap and notices off the canvas.
+PICTURE = """
+const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
+(async () => {
+  try {
+    if (window.app.clean) window.app.clean();
+    await window.app.loadGraphData(wf, true, true, null, {skipAssetScans: true});
+    const setting = window.app.extensionManager && window.app.extensionManager.setting;
+    if (setting && setting.set) await setting.set('Comfy.Minimap.Visible', false);
+    await new Promise(r => setTimeout(r, 800));
+    for (const d of [...document.querySelectorAll('.p-dialog, .comfy-modal')].filter(d => d.offsetParent !== null)) {
+      const x = d.querySelector('.p-dialog-close-button, .p-dialog-header-close, button[aria-label="Close"]');
+      if (x) x.click();
+    }
+    document.querySelectorAll('.p-toast-message').forEach(t => t.remove());
+    window.app.graph.setDirtyCanvas(true, true);
+    await new Promise(r => setTimeout(r, 500));
+    const ds = window.app.canvas.ds;
+    done({ds: {scale: ds.scale, offset: [...ds.offset]},
+          toasts: [...document.querySelectorAll('.p-toast-message')].map(t => t.innerText)});
+  } catch (e) { done({error: String(e)}); }
+})();
+"""
 
 
 QUEUE = """
@@ -324,8 +433,80 @@ def test_templates_are_listed_and_served_under_their_titles(browser):
         assert r["json"] == 200 and r["nodes"] > 5 and r["jpg"] == 200 and r["jpgType"].startswith("image/jpeg"), (name, r)
 
 
-def _search(browser, words: str) -> list:
-    """What the node search box lists for ``words``: it opens on a double click on the empty canvas."""
+TEMPLATE_VIEW = """
+const done = arguments[arguments.length - 1];
+const ds = window.app.canvas.ds, rect = window.app.canvas.canvas.getBoundingClientRect();
+const title = window.LiteGraph.NODE_TITLE_HEIGHT || 30;
+const shown = [...document.querySelectorAll('.p-dialog, [role=dialog]')].filter(d => d.offsetParent !== null);
+done({ds: {scale: ds.scale, offset: [...ds.offset]}, canvas: [rect.left, rect.top, rect.width, rect.height],
+      extra: window.app.graph.extra, nodes: window.app.graph._nodes.map(n => [n.pos[0], n.pos[1] - title, n.size[0],
+      n.size[1] + title]), dialogs: shown.map(d => d.innerText.slice(0, 300))});
+"""
+
+
+def _close_dialogs(browser):
+    from selenium.webdriver.common.by import By
+
+    for x in browser.find_elements(By.CSS_SELECTOR, ".p-dialog-close-button, .p-dialog-header-close, "
+                                                    "[role=dialog] button[aria-label='Close']"):
+        if x.is_displayed():
+            x.click()
+            time.sleep(0.3)
+
+
+@pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
+def test_templates_open_from_the_template_browser_at_their_saved_view(browser, path):
+    """As a user opens a template: the Templates button in the side bar, the pack's entry, the template's card (its
+    picture, the .jpg). It opens at its saved view, zoom 1, the whole graph in the window, in both frontends (1.49
+    fits a template opened this way into 75 % of the canvas: 0.82 here before web/patch_attention.js restored the view).
+    """
+    from selenium.webdriver.common.by import By
+
+    name = os.path.splitext(os.path.basename(path))[0]
+    wf = json.load(open(path))
+    _close_dialogs(browser)
+    browser.find_element(By.CSS_SELECTOR, "button[aria-label='Templates']").click()
+    time.sleep(2.5)
+    entry = browser.execute_script(
+        "return [...document.querySelectorAll('[role=dialog] *')].filter(e => e.offsetParent !== null)"
+        "  .findLast(e => e.children.length === 0 && e.textContent.trim() === 'ComfyUI-PatchAttention')")
+    assert entry is not None, "the template browser lists no ComfyUI-PatchAttention"
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", entry)  # the list's end, after a first use
+    time.sleep(0.3)
+    entry.click()
+    time.sleep(1.5)
+    card = browser.find_element(By.CSS_SELECTOR, f'[data-testid="template-workflow-{name}"]')
+    # the card shows the thumbnail (512x512, tests/tools/make_workflows.py), fetched by the frontend
+    for _ in range(20):
+        pictures = browser.execute_script("return [...arguments[0].querySelectorAll('img')]"
+                                          "  .map(i => [i.naturalWidth, i.naturalHeight])", card)
+        if [512, 512] in pictures:
+            break
+        time.sleep(0.5)
+    assert [512, 512] in pictures, pictures
+    card.click()
+    time.sleep(3)
+    res = browser.execute_async_script(TEMPLATE_VIEW)
+    browser.save_screenshot(os.path.join(shots(), f"template-browser-{name}.png"))
+    _close_dialogs(browser)
+    assert res["extra"]["ds"] == wf["extra"]["ds"]  # the template that opened is this one
+    assert res["ds"]["scale"] == pytest.approx(wf["extra"]["ds"]["scale"]) == MIN_SCALE, res["ds"]
+    assert res["ds"]["offset"] == pytest.approx(wf["extra"]["ds"]["offset"]), res["ds"]
+    (ox, oy), scale = res["ds"]["offset"], res["ds"]["scale"]
+    left, top, width, height = res["canvas"]
+    for x, y, w, h in res["nodes"]:
+        sx, sy = (x + ox) * scale, (y + oy) * scale
+        assert 0 <= sx and sx + w * scale <= width and 0 <= sy and sy + h * scale <= height, (name, [x, y, w, h])
+    # the only dialog: the model files to download (frontend 1.27)
+    for text in res["dialogs"]:
+        assert "missing models" in text.lower(), text
+    assert not pack_errors(browser)
+
+
+def _search(browser, words: str, shot: str = "") -> tuple:
+    """What the node search box shows for ``words`` (it opens on a double click on the empty canvas): every line of its
+    text, and the results in their order (each one's first line: its display name). ``shot``: a screenshot's name,
+    taken with the results shown."""
     from selenium.webdriver.common.action_chains import ActionChains
     from selenium.webdriver.common.by import By
     from selenium.webdriver.common.keys import Keys
@@ -341,29 +522,39 @@ def _search(browser, words: str) -> list:
         box = shown[0]
     box.send_keys(words)
     time.sleep(1.5)
-    text = browser.execute_script(
+    text, results = browser.execute_script(
         "const d = [...document.querySelectorAll('.p-dialog, .comfy-vue-node-search-container')]"
-        "  .filter(x => x.offsetParent !== null); return d.map(x => x.innerText).join('\\n');")
+        "  .filter(x => x.offsetParent !== null);"
+        "const items = d.flatMap(x => [...x.querySelectorAll('[role=option]')]).filter(o => o.offsetParent !== null);"
+        "return [d.map(x => x.innerText).join('\\n'), items.map(o => o.innerText.trim().split('\\n')[0].trim())];")
+    if shot:
+        browser.save_screenshot(os.path.join(shots(), shot))
     box.send_keys(Keys.ESCAPE)
     time.sleep(0.3)
-    return [line.strip() for line in text.splitlines() if line.strip()]
+    return [line.strip() for line in text.splitlines() if line.strip()], results
 
 
 def test_the_node_search_finds_patch_attention_by_the_words_people_type(browser):
+    """Frontend 1.49 (ComfyUI 0.33): a kernel's name lists Patch Attention first, above the core nodes with
+    "attention" in their names that the fuzzy match finds too and the pack's SpargeAttn Settings (web/patch_attention.js
+    ranks its search aliases as the frontend ranks names); a word in none of its aliases keeps the frontend's order."""
     url = re.match(r"https?://[^/]+", browser.current_url).group(0)
     info = json.loads(urllib.request.urlopen(url + "/object_info/PatchAttention", timeout=10).read())["PatchAttention"]
     if not info.get("search_aliases"):
         # ComfyUI 0.3.64 sends no search aliases and its frontend (1.27) searches node names only
-        lines = _search(browser, "patch attention")
-        browser.save_screenshot(os.path.join(shots(), "node-search.png"))
+        lines, _ = _search(browser, "patch attention", shot="node-search.png")
         assert "Patch Attention" in lines, lines
         pytest.skip(f"ComfyUI {release()} sends no search aliases: only the name finds the node here")
-    for words in ("sageattention", "flash attention", "xformers", "speed up"):
-        lines = _search(browser, words)
-        if words == "sageattention":
-            browser.save_screenshot(os.path.join(shots(), "node-search.png"))
+    for words in ("sageattention", "sage attention", "flash attention", "sparge"):
+        lines, results = _search(browser, words, shot="node-search.png" if words == "sageattention" else "")
+        assert results and results[0] == "Patch Attention", (words, results[:6])
+    for words in ("xformers", "speed up"):
+        lines, _ = _search(browser, words)
         assert "Patch Attention" in lines, (words, lines)
-    assert "Attention Benchmark" in _search(browser, "benchmark")
+    assert "Attention Benchmark" in _search(browser, "benchmark")[0]
+    _, results = _search(browser, "save")
+    assert results[0].startswith("Save") and "Patch Attention" not in results[:10], results[:10]
+    assert not pack_errors(browser)
 
 
 def _click_title(browser, res, node, ctrl=False):

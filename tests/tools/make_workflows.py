@@ -739,7 +739,9 @@ def to_ui(graph):
     return {
         "last_node_id": max(n["id"] for n in nodes), "last_link_id": lid, "nodes": nodes, "links": ui_links,
         "groups": [{"title": t, "bounding": b, "color": "#3f789e", "font_size": 24, "flags": {}} for t, b in groups],
-        "config": {}, "extra": {"ds": view(size)}, "version": 0.4,
+        # saved_view: web/patch_attention.js opens the template at extra.ds from the template browser too, where
+        # frontend 1.49 would fit it into 75 % of the canvas instead (zoom 0.82 here)
+        "config": {}, "extra": {"ds": view(size), "patch_attention": {"saved_view": True}}, "version": 0.4,
     }
 
 
@@ -777,13 +779,15 @@ DESCRIPTIONS = {
 
 
 def thumbnails(shots: str, size: int = 512):
-    """workflows/<name>.jpg: the graph (from tests/test_browser.py's screenshot) above the template's description."""
+    """workflows/<name>.jpg: the graph above the template's description, from tests/test_browser.py's picture-<name>.png
+    (the workflow loaded without the frontend's model-file checks: no red ring or notice for the files the test
+    machine lacks, the minimap closed)."""
     from PIL import Image, ImageFont
 
     band = 150
     font = ImageFont.load_default(size=26)
     for name, graph in WORKFLOWS.items():
-        shot = Image.open(os.path.join(shots, f"{name}.png")).convert("RGB")
+        shot = Image.open(os.path.join(shots, f"picture-{name}.png")).convert("RGB")
         # the graph where its saved view puts it (ComfyUI 0.33's frontend: the canvas fills the window)
         ds = view(layout(graph)[2])
         (ox, oy), sc = ds["offset"], ds["scale"]
@@ -831,7 +835,7 @@ def report_picture(shots: str, out: str = os.path.join(ROOT, "docs", "report-on-
     from PIL import Image
 
     shot = Image.open(os.path.join(shots, "report-on-canvas.png")).convert("RGB")
-    shot = shot.crop((90, 100, min(shot.width, 1562), min(shot.height, 722)))  # the two nodes, below the top bar
+    shot = shot.crop((90, 100, min(shot.width, 1562), min(shot.height, 600)))  # the two nodes, below the top bar
     shot.save(out, optimize=True)
     print("wrote", os.path.relpath(out, ROOT), shot.size)
 
