@@ -111,6 +111,15 @@ def test_the_report_js_knows_the_report_nodes_of_the_definitions():
     assert listed == [n.node_id for n in load().nodes.definitions.NODES if n.report]
 
 
+def bench_rounds() -> int:
+    """The Attention Benchmark's timed rounds per shape (measure/bench.py)."""
+    import importlib
+
+    from pack import load
+
+    return importlib.import_module(load().__name__ + ".measure.bench").ROUNDS
+
+
 RUN_REPORTS = """
 const [shape, done] = [arguments[0], arguments[arguments.length - 1]];
 (async () => {
@@ -206,10 +215,11 @@ def test_report_nodes_show_their_report_on_the_canvas(browser):
     assert "| sdpa_math |" not in bench["drawn"] and not bench["textShown"]
     info = on_screen["AttentionBackendsInfo"]
     assert info["tables"] == [] and "[      yes] sdpa" in info["drawn"]
-    # ComfyUI's progress bar on the benchmark node: one step per timed row, up to the whole count
+    # ComfyUI's progress bar on the benchmark node: one step per row per round (the accuracy call, then every timed
+    # round), up to the whole count; rows sdpa, sdpa_math, auto, a peer
     bench_id = res["ids"][1]
     mine = [p for p in res["progress"] if str(p.get("node")) == bench_id]
-    assert mine and mine[-1]["value"] == mine[-1]["max"] == 4, res["progress"]  # sdpa, sdpa_math, auto, a peer
+    assert mine and mine[-1]["value"] == mine[-1]["max"] == 4 * (1 + bench_rounds()), res["progress"]
     assert res["saved"] == ["", "1,2,256,64", "bf16", 10]  # the inputs only: the report is output
     assert not pack_errors(browser)
 
