@@ -123,6 +123,10 @@
 #                  sdpa_cudnn,flash_attn4; those not installed are reported as such), CP_ZOO_BUDGET seconds (default
 #                  270), CP_ZOO_ONLY=a,b, CP_ZOO_GPUS=n, CP_ZOO_CASE_TIMEOUT (default 60 s), CP_ZOO_DEVICE=cpu (the dry
 #                  run: fp32, ranks simulated as threads); fails when a case fails
+#   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
+#                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
+#                  on all: seconds (median of VAE_ROUNDS, default 3, after a warm-up), ratios, the largest difference of
+#                  the frames (VAE_ROWS, default plain,tiled,multi,tiled-2x,multi-2x: -2x twice as many tiles)
 #
 # The runner's exit status is 1 when a stage returned non-zero (cp-zoo, cp-compose and cp-compose-dynamic on a failing case).
 set -u
@@ -483,6 +487,13 @@ stage_cp-zoo() {
   grep -E "^cp-zoo [^ ]+ [^ ]+: not (installed|runnable here) \(" "$OUT/cp-zoo.txt" | sed -E 's/^cp-zoo [^ ]+ //' \
     | sort | uniq -c
   return $(( rc != 0 ))
+}
+
+stage_vae() {
+  timeout "${VAE_LIMIT:-300}" $PY tests/gpu/vae_multi.py --rounds "${VAE_ROUNDS:-3}" \
+    --rows "${VAE_ROWS:-plain,tiled,multi,tiled-2x,multi-2x}" --json "$OUT/vae-multi.json" --md "$OUT/vae-multi.md" 2>&1 \
+    | grep -v "it/s\]" | tail -n 30
+  return $(( PIPESTATUS[0] != 0 ))
 }
 
 [ $# -gt 0 ] || { sed -n '2,/^set -u$/{/^#/p;}' "$0"; exit 2; }
