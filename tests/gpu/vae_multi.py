@@ -100,16 +100,22 @@ def main(argv=None):
         tilings[""] = report.tiling
         h, w = pv.even_tiles(latent.shape[2:], 2 * len(devices), report.tiling.overlap)
         tilings["-2x"] = nv.Tiling(h, w, report.tiling.overlap)
-        results, frames = run_rows(nv, vae, latent, rows, tilings, devices, a.rounds)
-    compare(results, frames)
-    meta = {"date": datetime.date.today().isoformat(),
-            "gpus": [torch.cuda.get_device_name(d) if d.type == "cuda" else str(d) for d in devices],
-            "torch": torch.__version__, "comfyui": comfyui_version(), "latent": list(latent.shape),
-            "vae_dtype": str(vae.vae_dtype), "rounds": a.rounds}
-    report_out(meta, results, a.json, a.md)
+        meta = {"date": datetime.date.today().isoformat(),
+                "gpus": [torch.cuda.get_device_name(d) if d.type == "cuda" else str(d) for d in devices],
+                "torch": torch.__version__, "comfyui": comfyui_version(), "latent": list(latent.shape),
+                "vae_dtype": str(vae.vae_dtype), "rounds": a.rounds}
+
+        table = []
+
+        def done(results, frames):  # written after every row: a run stopped at its limit keeps the rows it finished
+            compare(results, frames)
+            table[:] = [report_out(meta, results, a.json, a.md)]
+
+        run_rows(nv, vae, latent, rows, tilings, devices, a.rounds, done)
+    print(table[0] if table else "no rows")
 
 
-def run_rows(nv, vae, latent, rows, tilings, devices, rounds):
+def run_rows(nv, vae, latent, rows, tilings, devices, rounds, done):
     results, frames = {}, {}
     for row in rows:
         suffix = "-2x" if row.endswith("-2x") else ""
@@ -129,7 +135,7 @@ def run_rows(nv, vae, latent, rows, tilings, devices, rounds):
         frames[row] = out
         results[row] = r
         print(f"vae {row}: {med:.3f} s (rounds {', '.join(f'{t:.3f}' for t in times)})", flush=True)
-    return results, frames
+        done(results, frames)
 
 
 def compare(results, frames):
@@ -166,13 +172,13 @@ def report_out(meta, results, json_path, md_path):
                      f"{_x(r.get('ratio_vs_plain'))} | {_x(r.get('ratio_vs_tiled'))} | {_f(r.get('vs_plain'))} | "
                      f"{_f(r.get('vs_tiled'))} | {r.get('per_gpu', '')} |")
     text = "\n".join(lines) + "\n"
-    print(text)
     if md_path:
         with open(md_path, "w") as f:
             f.write(text)
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"meta": meta, "rows": list(results.values())}, f, indent=1)
+    return text
 
 
 def _x(v):
