@@ -22,6 +22,7 @@ as its VAE.
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import time
 import weakref
@@ -253,36 +254,60 @@ def _output_dtype(vae):
     return vae.vae_output_dtype() if hasattr(vae, "vae_output_dtype") else torch.float32  # ComfyUI 0.3.64: .float()
 
 
-def _tiled(vae, samples, tiling, calls, loop_kwargs, make_fn, estimate, devices, node: str):
+def _tiled(vae, samples, tiling, calls, loop_kwargs, make_fn, estimate, devices, node: str, out_bytes: int = 0):
     """ComfyUI's tiling loop once per call in ``calls`` over ``samples``, each tile decoded by ``make_fn(vae, model,
-    device)`` on one of ``devices`` (room for a tile asked by ComfyUI's ``estimate``): (the loop's outputs, Report)."""
+    device, output_device)`` on one of ``devices`` (room for a tile asked by ComfyUI's ``estimate``), blended where
+    :func:`_blend_device` says for an output of ``out_bytes`` (0: ComfyUI's output device): (the loop's outputs,
+    Report)."""
     import comfy.model_management as mm
     import comfy.utils
 
     plan = [v for tile, ov in calls for v in tiles(samples, tile, ov)]
     ps = patchers(vae, devices)
     tile = tuple(min(t, s) for t, s in zip(calls[-1][0], samples.shape[2:]))
-    mm.load_models_gpu(ps, memory_required=estimate((1, samples.shape[1], *tile), vae.vae_dtype),
-                       force_full_load=vae.disable_offload)
+    tile_memory = estimate((1, samples.shape[1], *tile), vae.vae_dtype)
+    mm.load_models_gpu(ps, memory_required=tile_memory, force_full_load=vae.disable_offload)
+    out = _blend_device(vae, devices[0], out_bytes, tile_memory) if out_bytes else vae.output_device
     pbar = comfy.utils.ProgressBar(len(plan))
     start = time.perf_counter()
-    fns = [make_fn(vae, p.model, torch.device(d)) for p, d in zip(ps, devices)]
+    fns = [make_fn(vae, p.model, torch.device(d), out) for p, d in zip(ps, devices)]
     with TileRun(plan, fns, devices, check=mm.throw_exception_if_processing_interrupted) as run:
-        outs = [comfy.utils.tiled_scale_multidim(samples, run, tile=t, overlap=o, pbar=pbar, **loop_kwargs)
-                for t, o in calls]
+        outs = [comfy.utils.tiled_scale_multidim(samples, run, tile=t, overlap=o, pbar=pbar,
+                                                 **{**loop_kwargs, "output_device": out}) for t, o in calls]
     report = Report(tiling, list(devices), list(run.counts), tile, time.perf_counter() - start,
                     unplanned=run.unplanned)
     log.info(report.line(node))
     return outs, report
 
 
-def _decoder(vae, model, device):
-    dtype, out, vae_dtype = _output_dtype(vae), vae.output_device, vae.vae_dtype
+# The frames are blended on the first GPU where it has this many times their size free beside a tile's decode: the
+# output, the sum of the tiles' masks, one tile and its mask.
+BLEND_ROOM = 3
+
+
+def _blend_device(vae, first, out_bytes: int, tile_memory: float):
+    """Where the tiles are blended: the first GPU, where it has the room, else ComfyUI's output device.  ComfyUI's loop
+    blends with element-wise multiplies, adds and one divide, correctly rounded on a GPU as on the CPU (no fused
+    multiply-add: each is its own kernel), so the frames are the same bits either way (the GPU stage checks it against
+    ComfyUI's tiled decode blending on the CPU); on the GPU the blend takes milliseconds, and the frames cross to the
+    output device once."""
+    import comfy.model_management as mm
+
+    first = torch.device(first)
+    if first.type != "cuda" or torch.device(vae.output_device) == first:
+        return vae.output_device
+    if mm.get_free_memory(first) < BLEND_ROOM * out_bytes + tile_memory:
+        return vae.output_device
+    return first
+
+
+def _decoder(vae, model, device, out):
+    dtype, vae_dtype = _output_dtype(vae), vae.vae_dtype
     return lambda a: model.decode(a.to(vae_dtype).to(device)).to(dtype=dtype).to(out)
 
 
-def _encoder(vae, model, device):
-    dtype, out, vae_dtype = _output_dtype(vae), vae.output_device, vae.vae_dtype
+def _encoder(vae, model, device, out):
+    dtype, vae_dtype = _output_dtype(vae), vae.vae_dtype
     return lambda a: model.encode(vae.process_input(a).to(vae_dtype).to(device)).to(dtype=dtype).to(out)
 
 
@@ -320,9 +345,17 @@ def _decode_over(vae, latent, tiling: Tiling, devices):
               "index_formulas": vae.upscale_index_formula, "output_device": vae.output_device}
     else:  # tiled_scale's (its out_channels default, 3)
         kw = {"upscale_amount": vae.upscale_ratio, "output_device": vae.output_device}
-    outs, report = _tiled(vae, latent, tiling, calls, kw, _decoder, vae.memory_used_decode, devices, DECODE_NAME)
+    outs, report = _tiled(vae, latent, tiling, calls, kw, _decoder, vae.memory_used_decode, devices, DECODE_NAME,
+                          out_bytes=len(calls) * _frames_bytes(vae, latent.shape))
     output = vae.process_output(outs[0] if dims == 3 else (outs[0] + outs[1] + outs[2]) / 3.0)
-    return output.movedim(1, -1), report
+    return output.to(vae.output_device).movedim(1, -1), report
+
+
+def _frames_bytes(vae, shape) -> int:
+    """The size of the frames decoded from a latent of ``shape`` (ComfyUI's intermediate dtype)."""
+    up = vae.upscale_ratio if isinstance(vae.upscale_ratio, (tuple, list)) else [vae.upscale_ratio] * (len(shape) - 2)
+    sizes = [u(n) if callable(u) else u * n for u, n in zip(up, shape[2:])]
+    return int(shape[0] * vae.output_channels * math.prod(sizes)) * _output_dtype(vae).itemsize
 
 
 def encode(vae, pixels: torch.Tensor, gpus: int = 0, tile_size: int = 0, overlap: int = 64, temporal_size: int = 0,

@@ -5,8 +5,9 @@ a 720p/81f latent (16 x 21 x 90 x 160).
 
 Rows: ``plain`` (ComfyUI's ``VAE.decode`` on the first GPU), ``tiled`` (ComfyUI's ``VAE.decode_tiled`` on the first
 GPU with the tiles the node picks for this machine), ``multi`` (VAE Decode (several GPUs) over every GPU, its
-defaults: one tile of one size per GPU), ``multi-2x`` (the same with twice as many tiles, all of one size: the
-balance against the area decoded twice), ``tiled-2x`` (ComfyUI's tiled decode with those tiles, one GPU).  Per row:
+defaults: one tile of one size per GPU), ``multi-cpu`` (the same, the tiles blended on the CPU as where the first GPU
+lacks the room), ``multi-2x`` (twice as many tiles, all of one size: the balance against the area decoded twice),
+``tiled-2x`` (ComfyUI's tiled decode with those tiles, one GPU).  Per row:
 seconds (median of ``--rounds`` after one warm-up run; the first ``multi`` run also makes the VAE's copies), the ratio
 of ``plain`` and of the ``tiled`` row with the same tiles to it, the largest absolute difference of its frames to
 ``plain`` and to the one-GPU tiled decode with the same tiles (0: bit for bit), the tiles per GPU.
@@ -130,6 +131,8 @@ def run_rows(nv, vae, latent, rows, tilings, devices, rounds, done):
             fn = lambda: vae.decode(latent)  # noqa: E731
         elif row.startswith("tiled"):
             fn = lambda t=tiling: vae.decode_tiled(latent, **t.args())  # noqa: E731
+        elif row.startswith("multi-cpu"):  # the tiles blended on the CPU (ComfyUI's output device), as without room
+            fn = lambda t=tiling: blended_on_cpu(nv, vae, latent, t, devices)  # noqa: E731
         else:
             fn = lambda t=tiling: nv._decode_over(vae, latent, t, devices)  # noqa: E731
         med, times, out = timed(fn, rounds)
@@ -142,6 +145,14 @@ def run_rows(nv, vae, latent, rows, tilings, devices, rounds, done):
         results[row] = r
         print(f"vae {row}: {med:.3f} s (rounds {', '.join(f'{t:.3f}' for t in times)})", flush=True)
         done(results, frames)
+
+
+def blended_on_cpu(nv, vae, latent, tiling, devices):
+    room, nv.BLEND_ROOM = nv.BLEND_ROOM, float("inf")
+    try:
+        return nv._decode_over(vae, latent, tiling, devices)
+    finally:
+        nv.BLEND_ROOM = room
 
 
 def compare(results, frames):
