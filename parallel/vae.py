@@ -25,6 +25,7 @@ import itertools
 import logging
 import math
 import threading
+import time
 from collections.abc import Callable, Sequence
 
 import torch
@@ -137,6 +138,8 @@ class TileRun:
         self.window = window or 2 * len(decoders)
         self.check = check
         self.counts = [0] * len(decoders)  # tiles decoded per thread
+        self.busy = [0.0] * len(decoders)  # seconds each thread spent in its decoder (host time)
+        self.finished = [0.0] * len(decoders)  # when each thread's last tile came back (time.perf_counter)
         self.unplanned = 0  # tiles the loop asked for outside the plan (decoded in the calling thread)
         self._index = collections.defaultdict(collections.deque)
         for i, v in enumerate(plan):
@@ -195,6 +198,7 @@ class TileRun:
                 first = False
                 try:
                     self.check()
+                    start = time.perf_counter()
                     out = self.decoders[r](self.plan[i])
                 except BaseException as e:
                     log.warning("a tile of %s on %s failed: %s: %s", tuple(self.plan[i].shape), self.devices[r],
@@ -206,6 +210,8 @@ class TileRun:
                 with self._cond:
                     self._results[i] = out
                     self.counts[r] += 1
+                    self.finished[r] = time.perf_counter()
+                    self.busy[r] += self.finished[r] - start
                     self._cond.notify_all()
 
     # ------------------------------------------------------------ the loop's side

@@ -126,7 +126,7 @@
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
 #                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
 #                  on all: seconds (median of VAE_ROUNDS, default 3, after a warm-up), ratios, the largest difference of
-#                  the frames (VAE_ROWS, default plain,tiled,multi,multi-cpu,tiled-2x,multi-2x: -cpu blended on the
+#                  the frames (VAE_ROWS, default plain,tiled,multi,multi-pageable,multi-cpu,multi-2x; -cpu blended on the
 #                  CPU, -2x twice as many tiles)
 #
 # The runner's exit status is 1 when a stage returned non-zero (cp-zoo, cp-compose and cp-compose-dynamic on a failing case).
@@ -492,7 +492,7 @@ stage_cp-zoo() {
 
 stage_vae() {
   timeout "${VAE_LIMIT:-300}" $PY tests/gpu/vae_multi.py --rounds "${VAE_ROUNDS:-3}" \
-    --rows "${VAE_ROWS:-plain,tiled,multi,multi-cpu,tiled-2x,multi-2x}" --json "$OUT/vae-multi.json" --md "$OUT/vae-multi.md" 2>&1 \
+    --rows "${VAE_ROWS:-plain,tiled,multi,multi-pageable,multi-cpu,multi-2x}" --json "$OUT/vae-multi.json" --md "$OUT/vae-multi.md" 2>&1 \
     | grep -v "it/s\]" | tail -n 30
   return $(( PIPESTATUS[0] != 0 ))
 }

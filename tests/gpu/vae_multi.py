@@ -7,7 +7,8 @@ Rows: ``plain`` (ComfyUI's ``VAE.decode`` on the first GPU), ``tiled`` (ComfyUI'
 GPU with the tiles the node picks for this machine), ``multi`` (VAE Decode (several GPUs) over every GPU, its
 defaults: one tile of one size per GPU), ``multi-cpu`` (the same, the tiles blended on the CPU as where the first GPU
 lacks the room), ``multi-2x`` (twice as many tiles, all of one size: the balance against the area decoded twice),
-``tiled-2x`` (ComfyUI's tiled decode with those tiles, one GPU).  Per row:
+``tiled-2x`` (ComfyUI's tiled decode with those tiles, one GPU), ``multi-pageable`` (the frames to the CPU by
+``Tensor.to``, not through page-locked buffers).  Per row:
 seconds (median of ``--rounds`` after one warm-up run; the first ``multi`` run also makes the VAE's copies), the ratio
 of ``plain`` and of the ``tiled`` row with the same tiles to it, the largest absolute difference of its frames to
 ``plain`` and to the one-GPU tiled decode with the same tiles (0: bit for bit), the tiles per GPU.
@@ -20,6 +21,7 @@ import datetime
 import importlib
 import importlib.util
 import json
+import logging
 import os
 import statistics
 import sys
@@ -95,6 +97,8 @@ def main(argv=None):
     ap.add_argument("--json"), ap.add_argument("--md")
     a = ap.parse_args(argv)
     nv, pv = load()
+    logging.basicConfig(format="%(name)s: %(message)s")
+    logging.getLogger("patch_attention.vae").setLevel(logging.DEBUG)  # per call: each device's time, the copy out
     import comfy.model_management as mm
 
     devices = mm.get_all_torch_devices()
@@ -131,6 +135,8 @@ def run_rows(nv, vae, latent, rows, tilings, devices, rounds, done):
             fn = lambda: vae.decode(latent)  # noqa: E731
         elif row.startswith("tiled"):
             fn = lambda t=tiling: vae.decode_tiled(latent, **t.args())  # noqa: E731
+        elif row.startswith("multi-pageable"):  # the frames to the CPU by Tensor.to (the driver's own staging)
+            fn = lambda t=tiling: with_setting(nv, "STAGED_COPY", False, vae, latent, t, devices)  # noqa: E731
         elif row.startswith("multi-cpu"):  # the tiles blended on the CPU (ComfyUI's output device), as without room
             fn = lambda t=tiling: blended_on_cpu(nv, vae, latent, t, devices)  # noqa: E731
         else:
@@ -148,11 +154,17 @@ def run_rows(nv, vae, latent, rows, tilings, devices, rounds, done):
 
 
 def blended_on_cpu(nv, vae, latent, tiling, devices):
-    room, nv.BLEND_ROOM = nv.BLEND_ROOM, float("inf")
+    return with_setting(nv, "BLEND_ROOM", float("inf"), vae, latent, tiling, devices)
+
+
+def with_setting(nv, name, value, vae, latent, tiling, devices):
+    """The node's decode with one of its module's settings changed for the call."""
+    old = getattr(nv, name)
+    setattr(nv, name, value)
     try:
         return nv._decode_over(vae, latent, tiling, devices)
     finally:
-        nv.BLEND_ROOM = room
+        setattr(nv, name, old)
 
 
 def compare(results, frames):
