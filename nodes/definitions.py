@@ -702,50 +702,51 @@ CONTEXT_PARALLEL = Node(
 
 # ---------------------------------------------------------------- VAE Decode / Encode (several GPUs)
 
-def run_vae_decode(samples, vae, gpus=0, tile_size=0, overlap=64, temporal_size=0, temporal_overlap=8):
+VAE_OVERLAP = 64  # px: VAE Decode (Tiled)'s default overlap (a quarter of smaller tiles, as it lowers it there)
+
+
+def run_vae_decode(samples, vae, gpus=0, tile_size=0):
     from .vae import decode
 
     latent = samples["samples"]
     if latent.is_nested:
         latent = latent.unbind()[0]
-    images, _ = decode(vae, latent, int(gpus), int(tile_size), int(overlap), int(temporal_size), int(temporal_overlap))
+    overlap = min(VAE_OVERLAP, tile_size // 4) if tile_size else VAE_OVERLAP
+    images, _ = decode(vae, latent, int(gpus), int(tile_size), overlap)
     if images.ndim == 5:  # a video's frames, as VAE Decode (Tiled) returns them
         images = images.reshape(-1, *images.shape[-3:])
     return (images,)
 
 
-def run_vae_encode(pixels, vae, gpus=0, tile_size=0, overlap=64, temporal_size=0, temporal_overlap=8):
+def run_vae_encode(pixels, vae, gpus=0, tile_size=0):
     from .vae import encode
 
-    latent, _ = encode(vae, pixels, int(gpus), int(tile_size), int(overlap), int(temporal_size), int(temporal_overlap))
+    overlap = min(VAE_OVERLAP, tile_size // 4) if tile_size else VAE_OVERLAP
+    latent, _ = encode(vae, pixels, int(gpus), int(tile_size), overlap)
     return ({"samples": latent},)
 
 
 VAE_WORDS = ["multi gpu", "multigpu", "multiple gpus", "several gpus", "two gpus", "2 gpus", "distributed", "tiled",
              "vae tiled", "video", "wan vae", "speed up", "faster"]
 GPUS_TOOLTIP = "How many GPUs share the tiles (0: all of them)."
-TEMPORAL_OVERLAP_TOOLTIP = "Video VAEs with temporal_size set: frames each tile overlaps the next."
+TILE_TOOLTIP = ("Tile width and height in pixels; tiles overlap by 64 (a quarter of smaller tiles). 0: a video gets "
+                "one tile per GPU, all of one size (more where one would not fit a GPU), an image 512.")
 
 VAE_DECODE = Node(
     node_id="VAEDecodeMultiGPU",
     display_name="VAE Decode (several GPUs)",
     description="Decodes a latent with ComfyUI's tiled VAE decode, its tiles spread over the GPUs of this machine (a "
                 "copy of the VAE on each, kept for the next prompts). On GPUs of one kind the frames are bit for bit "
-                "ComfyUI's tiled decode with the same tiles (VAE Decode (Tiled) with the same settings); tiled and "
-                "plain decodes differ a little at the tiles' seams. Wan 2.1/2.2, HunyuanVideo and image VAEs; one GPU, "
-                "or a VAE that tiles itself: ComfyUI's tiled decode, and the log says so.",
+                "ComfyUI's tiled decode with the same tiles (tile_size set: VAE Decode (Tiled) with it, overlap 64, "
+                "temporal_size 4096, temporal_overlap 4); tiled and plain decodes differ a little where tiles meet. "
+                "Wan 2.1/2.2, HunyuanVideo and image VAEs; one GPU, or a VAE that tiles itself: ComfyUI's tiled "
+                "decode, and the log says so.",
     search_aliases=["vae decode", "decode", "decode latent", "latent to image", *VAE_WORDS],
     inputs=[
         In("samples", "LATENT", None, "The latent to decode."),
         In("vae", "VAE", None, "The VAE of the model that made the latent."),
         In("gpus", "INT", 0, GPUS_TOOLTIP, min=0, max=64, step=1),
-        In("tile_size", "INT", 0, "Tile width and height in pixels. 0: videos get one tile per GPU, all of one size "
-           "(more where one would not fit a GPU's memory), images 512.", min=0, max=4096, step=32),
-        In("overlap", "INT", 64, "Pixels each tile overlaps its neighbours, blended across (at most a quarter of "
-           "tile_size).", min=0, max=4096, step=32),
-        In("temporal_size", "INT", 0, "Video VAEs: frames per tile. 0: all frames in one tile (in VAE Decode (Tiled): "
-           "4096 frames, temporal_overlap 4).", min=0, max=4096, step=4),
-        In("temporal_overlap", "INT", 8, TEMPORAL_OVERLAP_TOOLTIP, min=4, max=4096, step=4),
+        In("tile_size", "INT", 0, TILE_TOOLTIP, min=0, max=4096, step=32),
     ],
     outputs=[("IMAGE", "IMAGE")],
     fn=run_vae_decode,
@@ -755,21 +756,15 @@ VAE_ENCODE = Node(
     node_id="VAEEncodeMultiGPU",
     display_name="VAE Encode (several GPUs)",
     description="Encodes images or a video's frames with ComfyUI's tiled VAE encode, its tiles spread over the GPUs of "
-                "this machine (a copy of the VAE on each). On GPUs of one kind the latent is bit for bit VAE Encode "
-                "(Tiled) with the same settings. One GPU, or a VAE that tiles itself: ComfyUI's tiled encode, and the "
-                "log says so.",
+                "this machine (a copy of the VAE on each). On GPUs of one kind the latent is bit for bit ComfyUI's tiled "
+                "encode with the same tiles. One GPU, or a VAE that tiles itself: ComfyUI's tiled encode, and the log "
+                "says so.",
     search_aliases=["vae encode", "encode", "encode image", "image to latent", *VAE_WORDS],
     inputs=[
         In("pixels", "IMAGE", None, "The images, or a video's frames, to encode."),
         In("vae", "VAE", None, "The VAE of the model the latent is for."),
         In("gpus", "INT", 0, GPUS_TOOLTIP, min=0, max=64, step=1),
-        In("tile_size", "INT", 0, "Tile width and height in pixels. 0: videos get one tile per GPU, all of one size "
-           "(more where one would not fit a GPU's memory), images 512.", min=0, max=4096, step=64),
-        In("overlap", "INT", 64, "Pixels each tile overlaps its neighbours, blended across (less than tile_size).",
-           min=0, max=4096, step=32),
-        In("temporal_size", "INT", 0, "Video VAEs: frames per tile. 0: all frames in one tile.", min=0, max=4096,
-           step=4),
-        In("temporal_overlap", "INT", 8, TEMPORAL_OVERLAP_TOOLTIP, min=4, max=4096, step=4),
+        In("tile_size", "INT", 0, TILE_TOOLTIP, min=0, max=4096, step=64),
     ],
     outputs=[("LATENT", "LATENT")],
     fn=run_vae_encode,

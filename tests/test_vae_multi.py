@@ -238,8 +238,11 @@ def test_the_node_returns_frames_as_vae_decode_tiled_and_its_errors_name_it(cf):
     _, mappings = load_pack()
     defs = importlib.import_module(cf.__name__.rsplit(".", 1)[0] + ".definitions")
     vae, lat = wan_vae(), latent(1, 16, 3, 12, 20)
-    (images,) = defs.VAE_DECODE.run(samples={"samples": lat}, vae=vae, overlap=16)
+    (images,) = defs.VAE_DECODE.run(samples={"samples": lat}, vae=vae, tile_size=64)  # overlap 64 // 4
     assert images.shape == (9, 96, 160, 3)
+    assert torch.equal(images, vae.decode_tiled(lat, tile_x=8, tile_y=8, overlap=2).reshape(images.shape))
+    (z,) = defs.VAE_ENCODE.run(pixels=images, vae=vae)
+    assert z["samples"].shape == (1, 16, 3, 12, 20)
     with pytest.raises(ValueError, match=r"^VAE Decode \(several GPUs\): the latent has 4 channels, this VAE takes 16"):
         defs.VAE_DECODE.run(samples={"samples": latent(1, 4, 3, 12, 20)}, vae=vae)
     assert {"VAEDecodeMultiGPU", "VAEEncodeMultiGPU"} <= set(mappings)
