@@ -327,19 +327,28 @@ def decode(vae, latent: torch.Tensor, gpus: int = 0, tile_size: int = 0, overlap
     vae.throw_exception_if_invalid()
     check_settings(tile_size, overlap, temporal_size, temporal_overlap, decode=True)
     check_latent(vae, latent)
+    return _spread(DECODE_NAME, vae, gpus, simulate, vae.memory_used_decode,
+                   lambda n, fits: decode_tiling(vae, latent.shape, n, fits, tile_size, overlap, temporal_size,
+                                                 temporal_overlap),
+                   lambda tiling, devices: _decode_over(vae, latent, tiling, devices),
+                   lambda tiling: vae.decode_tiled(latent, **tiling.args()))
+
+
+def _spread(node: str, vae, gpus: int, simulate: int, estimate, tiling_for, over, on_one):
+    """A decode (or encode) over the devices: ``tiling_for(count, fits)`` its tiles, ``over(tiling, devices)`` the
+    run over them -> (output, Report); on one device (and why) ``on_one(tiling)``, ComfyUI's own tiled call."""
     devices, why = devices_for(vae, gpus, simulate)
     why = why or unsupported(vae)
-    fits = _fits(vae, devices[:1] if why else devices, vae.memory_used_decode)
-    tiling = decode_tiling(vae, latent.shape, 1 if why else len(devices), fits, tile_size, overlap, temporal_size,
-                           temporal_overlap)
+    n = 1 if why else len(devices)
+    tiling = tiling_for(n, _fits(vae, devices[:n], estimate))
     if not why:
         try:
-            return _decode_over(vae, latent, tiling, devices)
+            return over(tiling, devices)
         except CopyFailed as e:
             why = str(e)
     report = Report(tiling, devices[:1], [0], why=why)
-    log.info(report.line(DECODE_NAME))
-    return vae.decode_tiled(latent, **tiling.args()), report
+    log.info(report.line(node))
+    return on_one(tiling), report
 
 
 def _decode_over(vae, latent, tiling: Tiling, devices):
@@ -408,20 +417,12 @@ def encode(vae, pixels: torch.Tensor, gpus: int = 0, tile_size: int = 0, overlap
     if vae.latent_dim not in (2, 3) or vae.extra_1d_channel is not None:
         raise ValueError(f"{type(vae.first_stage_model).__name__} is an audio VAE: encode with ComfyUI's VAE Encode")
     check_settings(tile_size, overlap, temporal_size, temporal_overlap, decode=False)
-    devices, why = devices_for(vae, gpus, simulate)
-    why = why or unsupported(vae)
     shaped = _encode_input(vae, pixels)
-    fits = _fits(vae, devices[:1] if why else devices, vae.memory_used_encode)
-    tiling = encode_tiling(vae, shaped.shape, 1 if why else len(devices), fits, tile_size, overlap, temporal_size,
-                           temporal_overlap)
-    if not why:
-        try:
-            return _encode_over(vae, shaped, tiling, devices)
-        except CopyFailed as e:
-            why = str(e)
-    report = Report(tiling, devices[:1], [0], why=why)
-    log.info(report.line(ENCODE_NAME))
-    return vae.encode_tiled(pixels, **tiling.args()), report
+    return _spread(ENCODE_NAME, vae, gpus, simulate, vae.memory_used_encode,
+                   lambda n, fits: encode_tiling(vae, shaped.shape, n, fits, tile_size, overlap, temporal_size,
+                                                 temporal_overlap),
+                   lambda tiling, devices: _encode_over(vae, shaped, tiling, devices),
+                   lambda tiling: vae.encode_tiled(pixels, **tiling.args()))
 
 
 def _encode_input(vae, pixels):
