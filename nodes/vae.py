@@ -3,7 +3,9 @@
 The output is ComfyUI's own tiled decode with the same tiles (``VAE.decode_tiled``, the node's settings converted as
 VAE Decode (Tiled) converts them), bit for bit on GPUs of one kind: ComfyUI's tiling loop
 (``comfy.utils.tiled_scale_multidim``) runs and blends in this thread as on one GPU, and each tile it asks for was
-decoded on one of the GPUs by that GPU's copy of the VAE (:class:`..parallel.vae.TileRun`).  The calls of that loop
+decoded on one of the GPUs by that GPU's copy of the VAE (:class:`..parallel.vae.TileRun`).  The loop blends on the
+first GPU where it has the room (:func:`_blend_device`: the same bits as on the CPU), and the frames go to ComfyUI's
+output device once, through page-locked buffers (:func:`_to_device`).  The calls of that loop
 here are those of ``VAE.decode_tiled`` and ``VAE.encode_tiled`` (their arguments and order, the same in ComfyUI 0.3.64
 and 0.33: tests/test_vae_multi.py compares with ComfyUI's own on both).  VAEs that tile themselves (``handles_tiling``),
 audio VAEs (one-dimensional latents), a VAE placed on the CPU, and machines with one GPU decode with ComfyUI's own
@@ -157,7 +159,7 @@ def devices_for(vae, gpus: int, simulate: int = 0) -> tuple[list, str]:
     devices = [dev] + [d for d in every if d != dev]
     devices = devices[:gpus] if gpus > 0 else devices
     if len(devices) < 2:
-        return devices, f"{len(every)} GPU{'s' if len(every) != 1 else ''} here" if gpus != 1 else "gpus is 1"
+        return devices, f"{len(every)} GPU{'s' if len(every) != 1 else ''} here" if gpus != 1 else "gpus is set to 1"
     return devices, ""
 
 
@@ -233,7 +235,8 @@ class Report:
 
     def line(self, node: str) -> str:
         if self.why:
-            return f"{node}: one device ({self.devices[0]}): {self.why}; ComfyUI's tiled decode there"
+            what = "encode" if node == ENCODE_NAME else "decode"
+            return f"{node}: one device ({self.devices[0]}): {self.why}; ComfyUI's tiled {what} there"
         per = ", ".join(f"{d} {c}" for d, c in zip(self.devices, self.counts))
         more = f"; {self.unplanned} outside the plan, on {self.devices[0]}" if self.unplanned else ""
         return (f"{node}: {sum(self.counts) + self.unplanned} tiles of {'x'.join(map(str, self.tile))} over "
