@@ -711,4 +711,64 @@ CONTEXT_PARALLEL = Node(
                     "sequence parallel", "ulysses", "usp", "xdit", "distributed", "speed up", "faster"],
 )
 
-NODES = [PATCH, SPARGE, SOL, TUNE, INFO, BENCH, BENCH_E2E, CONTEXT_PARALLEL]
+# ---------------------------------------------------------------- VAE Decode / Encode (several GPUs)
+
+VAE_OVERLAP = 64  # px: VAE Decode (Tiled)'s default overlap (a quarter of smaller tiles, as it lowers it there)
+
+
+def run_vae_decode(samples, vae, gpus=0, tile_size=0):
+    from .vae import decode
+
+    latent = samples["samples"]
+    if latent.is_nested:
+        latent = latent.unbind()[0]
+    overlap = min(VAE_OVERLAP, tile_size // 4) if tile_size else VAE_OVERLAP
+    images, _ = decode(vae, latent, int(gpus), int(tile_size), overlap)
+    if images.ndim == 5:  # a video's frames, as VAE Decode (Tiled) returns them
+        images = images.reshape(-1, *images.shape[-3:])
+    return (images,)
+
+
+def run_vae_encode(pixels, vae, gpus=0, tile_size=0):
+    from .vae import encode
+
+    overlap = min(VAE_OVERLAP, tile_size // 4) if tile_size else VAE_OVERLAP
+    latent, _ = encode(vae, pixels, int(gpus), int(tile_size), overlap)
+    return ({"samples": latent},)
+
+
+VAE_WORDS = ["multi gpu", "multigpu", "multiple gpus", "several gpus", "two gpus", "2 gpus", "distributed", "tiled",
+             "vae tiled", "video", "wan vae", "speed up", "faster"]
+GPUS_TOOLTIP = "How many GPUs share the tiles (0: all of them)."
+TILE_TOOLTIP = ("Tile width and height in pixels; tiles overlap by 64 (a quarter of smaller tiles). 0: a video gets "
+                "one tile per GPU, all of one size (more where one would not fit a GPU), an image 512.")
+
+
+def vae_node(node_id: str, name: str, description: str, data: In, vae_tip: str, step: int, output: tuple, fn,
+             words: list) -> Node:
+    """VAE Decode / VAE Encode (several GPUs): ``data`` in, the VAE, the GPUs, the tile size; ``output`` out."""
+    return Node(node_id=node_id, display_name=name, description=description, search_aliases=[*words, *VAE_WORDS],
+                inputs=[data, In("vae", "VAE", None, vae_tip), In("gpus", "INT", 0, GPUS_TOOLTIP, min=0, max=64, step=1),
+                        In("tile_size", "INT", 0, TILE_TOOLTIP, min=0, max=4096, step=step)],
+                outputs=[output], fn=fn)
+
+
+VAE_DECODE = vae_node(
+    "VAEDecodeMultiGPU", "VAE Decode (several GPUs)",
+    "Decodes a latent with ComfyUI's tiled VAE decode, its tiles spread over the GPUs of this machine (a copy of the VAE "
+    "on each, kept for the next prompts). On GPUs of one kind the frames are bit for bit ComfyUI's tiled decode with "
+    "the same tiles (tile_size set: VAE Decode (Tiled) with it, overlap 64, temporal_size 4096, temporal_overlap 4); "
+    "tiled and plain decodes differ a little where tiles meet. Wan 2.1/2.2, HunyuanVideo and image VAEs; one GPU, or a "
+    "VAE that tiles itself: ComfyUI's tiled decode, and the log says so.",
+    In("samples", "LATENT", None, "The latent to decode."), "The VAE of the model that made the latent.", 32,
+    ("IMAGE", "IMAGE"), run_vae_decode, ["vae decode", "decode", "decode latent", "latent to image"])
+
+VAE_ENCODE = vae_node(
+    "VAEEncodeMultiGPU", "VAE Encode (several GPUs)",
+    "Encodes images or a video's frames with ComfyUI's tiled VAE encode, its tiles spread over the GPUs of this "
+    "machine (a copy of the VAE on each). On GPUs of one kind the latent is bit for bit ComfyUI's tiled encode with the "
+    "same tiles. One GPU, or a VAE that tiles itself: ComfyUI's tiled encode, and the log says so.",
+    In("pixels", "IMAGE", None, "The images, or a video's frames, to encode."), "The VAE of the model the latent is for.",
+    64, ("LATENT", "LATENT"), run_vae_encode, ["vae encode", "encode", "encode image", "image to latent"])
+
+NODES = [PATCH, SPARGE, SOL, TUNE, INFO, BENCH, BENCH_E2E, CONTEXT_PARALLEL, VAE_DECODE, VAE_ENCODE]

@@ -20,7 +20,8 @@ def test_pack_exports_nodes_under_any_folder_name():
     if P.nodes.comfy_entrypoint is None:
         assert set(P.NODE_CLASS_MAPPINGS) == {"PatchAttention", "SpargeAttnSettings", "SolAttnSettings", "TuneSpargeAttn",
                                               "AttentionBackendsInfo",
-                                              "AttentionBenchmark", "AttentionBenchmarkE2E", "ContextParallel"}
+                                              "AttentionBenchmark", "AttentionBenchmarkE2E", "ContextParallel",
+                                              "VAEDecodeMultiGPU", "VAEEncodeMultiGPU"}
     else:
         assert callable(P.comfy_entrypoint)
 

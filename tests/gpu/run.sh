@@ -131,6 +131,11 @@
 #                  GPU, Context Parallel and ComfyUI's MultiGPU CFG Split (SOAK_GPUS, default 2) x CFG 1 and 5, the backend
 #                  changed between prompts; failed prompts (0 expected), host RSS and each GPU's memory (flat expected) in
 #                  soak.md and soak.json, ComfyUI's log in soak-server.log; fails on a failed prompt or growth
+#   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
+#                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
+#                  on all: seconds (median of VAE_ROUNDS, default 3, after a warm-up), ratios, the largest difference of
+#                  the frames (VAE_ROWS, default plain,tiled,multi,multi-pageable,multi-cpu,multi-2x; -cpu blended on the
+#                  CPU, -2x twice as many tiles)
 #
 # The runner's exit status is 1 when a stage returned non-zero (cp-zoo, cp-compose and cp-compose-dynamic on a failing case).
 set -u
@@ -507,6 +512,13 @@ stage_soak() {
   grep -E "FAILED|Traceback|Error" "$OUT/soak.txt" | head -n 20
   head -n 16 "$OUT/soak.md" 2>/dev/null
   return $(( rc != 0 ))
+}
+
+stage_vae() {
+  timeout "${VAE_LIMIT:-300}" $PY tests/gpu/vae_multi.py --rounds "${VAE_ROUNDS:-3}" \
+    --rows "${VAE_ROWS:-plain,tiled,multi,multi-pageable,multi-cpu,multi-2x}" --json "$OUT/vae-multi.json" --md "$OUT/vae-multi.md" 2>&1 \
+    | grep -v "it/s\]" | tail -n 30
+  return $(( PIPESTATUS[0] != 0 ))
 }
 
 [ $# -gt 0 ] || { sed -n '2,/^set -u$/{/^#/p;}' "$0"; exit 2; }

@@ -402,18 +402,26 @@ CP_NOTE = (
     "sage_fp8_sm90; at CFG 1 (a distilled LoRA) the split step ran x1.87-1.89 (14B, 480p; x1.81-1.86 on 2x H200) "
     "and x1.93-1.94 (14B, 720p); Wan 1.3B x1.8 with sage_fp8_sm90 or auto (x1.6-1.8 on 2x H200), held back by the "
     "CPU, x1.88 with auto_exact. Images and clips shorter than 16,384 tokens stay on one GPU, where they ran faster. "
-    "Needs ComfyUI 0.33 or later."
+    "Needs ComfyUI 0.33 or later.\n\n"
+    "VAE Decode (several GPUs) decodes the video on all the GPUs too, one tile each, with a copy of the VAE on each; "
+    "the frames are ComfyUI's tiled decode with those tiles, bit for bit.\n"
+    "- gpus 0: all of them.\n"
+    "- tile_size 0: one tile of one size per GPU (a number: square tiles of that many pixels, as VAE Decode (Tiled) "
+    "makes them)."
 )
 
 
 def wan_multigpu_graph():
-    """The Wan 2.1 template with Context Parallel between Patch Attention and the sampler: its note under the Patch
-    Attention note, the node under Patch Attention."""
+    """The Wan 2.1 template with Context Parallel between Patch Attention and the sampler (its note under the Patch
+    Attention note, the node under Patch Attention), and the VAE decode over the GPUs (VAE Decode (several GPUs) in
+    VAE Decode's place, its defaults)."""
     g = wan_graph()
     nodes, patch_group = [], []
     for n in g["nodes"]:
         if n[1] == "KSampler":
             n = (n[0], n[1], n[2], {**n[3], "model": (14, 0)}, n[4])
+        if n[1] == "VAEDecode":
+            n = (n[0], "VAEDecodeMultiGPU", defaults("VAEDecodeMultiGPU"), n[3], n[4])
         (patch_group if n[4] == 1 else nodes).append(n)
     note, patch, info = (next(n for n in patch_group if n[1] == t) for t in ("Note", "PatchAttention", "AttentionBackendsInfo"))
     patch_group = [note, (15, "Note", {"text": CP_NOTE}, {}, 1), patch,
