@@ -297,7 +297,11 @@ app.registerExtension({
     const onNodeCreated = nodeType.prototype.onNodeCreated;
     nodeType.prototype.onNodeCreated = function () {
       const r = onNodeCreated?.apply(this, arguments);
-      if (reportWidget(this)) this.setSize([Math.max(this.size[0], 360), Math.max(this.size[1], 160)]);
+      // a report node has its box from the start; a note node gets one when it has something to say (showReport),
+      // so a template keeps the layout it was made with
+      if (REPORT_NODES.includes(nodeData.name) && reportWidget(this)) {
+        this.setSize([Math.max(this.size[0], 360), Math.max(this.size[1], 160)]);
+      }
       return r;
     };
     const onExecuted = nodeType.prototype.onExecuted;
