@@ -261,9 +261,9 @@ class KernelCall:
     ``views`` is None), the head dim made contiguous where it is not (kernels need it; SDPA's fused kernels too, else it
     drops to its O(N^2)-memory math path), ``mask`` as ComfyUI hands it. Besides the kernel, per call and only where
     asked: the NaN check of a quantized kernel's output (``watch``: an object with ``check_finite``, read per call, and
-    ``check_output(out, name, spec, check_key)``), the count (``calls``: a Counter) and the fallback it stands for
-    (``fallbacks``: a Counter, with ``fallback``: (from, why)), the kernel's extras (``report(extras)``). Without
-    those it is the bare call, the kernel as a pack that calls it straight from the hook runs it.
+    ``check_output(out, name, spec, check_key)``), the count (``calls``: a Counter) and with it the fallback it stands
+    for (``fallbacks``: a Counter, ``fallback``: (from, why)), the kernel's extras (``report(extras)``). Without those
+    it is the bare call, the kernel as a pack that calls it straight from the hook runs it.
     """
 
     __slots__ = ("backend", "spec", "target", "layout", "kernel_layout", "scale", "opts", "views", "run")
@@ -288,11 +288,13 @@ class KernelCall:
         fn, kl, scale, opts, spec, name = (self.backend.fn, self.kernel_layout, self.scale, self.opts, self.spec,
                                            self.backend.name)
         views = self.views
+        vq = vk = vv = rk = rv = None
         if views is not None:
             vq, vk, vv, rk, rv = views
         swap = kl != self.layout
         dt, cast = spec.dtype, (self.target.dtype if self.target.dtype != spec.dtype else None)
         pad, d = self.target.head_dim - spec.head_dim, spec.head_dim
+        adapt, mask_dt = cast is not None or pad > 0, cast or dt
         back = kl != ("NHD" if out_as == "flat" else out_as)
         flat, b, n = out_as == "flat", spec.batch, spec.q_len
         fallbacks, fb = fallback if fallback is not None else (None, None)
@@ -302,10 +304,11 @@ class KernelCall:
                 q, k, v = q.view(vq), rk(k, vk), rv(v, vv)
             if swap:
                 q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            if cast is not None:
-                q, k, v = q.to(cast), k.to(cast), v.to(cast)
-            if pad:
-                q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, pad))
+            if adapt:  # the dtype the kernel computes in, the head dim it has
+                if cast is not None:
+                    q, k, v = q.to(cast), k.to(cast), v.to(cast)
+                if pad:
+                    q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, pad))
             if q.stride(-1) != 1:
                 q = q.contiguous()
             if k.stride(-1) != 1:
@@ -314,23 +317,24 @@ class KernelCall:
                 v = v.contiguous()
             if mask is not None:
                 mask = mask_4d(mask)
-                if mask.dtype != torch.bool and mask.dtype != (cast or dt):
-                    mask = mask.to(cast or dt)
+                if mask.dtype != torch.bool and mask.dtype != mask_dt:
+                    mask = mask.to(mask_dt)
             out = fn(q, k, v, layout=kl, mask=mask, scale=scale, opts=opts)
-            if isinstance(out, tuple):
+            if type(out) is tuple:
                 out, extras = out
                 if report is not None:
                     report(extras)
-            if pad:
-                out = out[..., :d]
-            if out.dtype != dt:
-                out = out.to(dt)
+            if adapt:  # back to the call's head dim and dtype (a kernel computes in the dtype it is handed)
+                if pad:
+                    out = out[..., :d]
+                if out.dtype is not dt:
+                    out = out.to(dt)
             if watch is not None and watch.check_finite:
                 watch.check_output(out, name, spec, check_key)
             if calls is not None:
                 calls[name] += 1
-            if fb is not None:
-                fallbacks[fb] += 1
+                if fb is not None:
+                    fallbacks[fb] += 1
             if back:
                 out = out.transpose(1, 2)
             return out.reshape(b, n, -1) if flat else out

@@ -118,22 +118,18 @@ def bench_shape(label, shape, names, *, dtype, warmup, reps, progress=None, auto
         direct = None
         spec_ok = True
         try:
-            from ..attention.calls import make_spec, plan_for
+            from ..attention.calls import make_spec, plan_call, plan_for
 
             spec = make_spec(q, k, v, "HND", None)
             target, reason = plan_for(backend, spec)
             spec_ok = reason is None
-            # the dispatcher's overhead over a direct kernel call: a GPU number (on the CPU the wall clock's noise
-            # is larger than it)
+            # the dispatcher's overhead over the bare kernel call (the KernelCall it runs, without NaN check or
+            # count): a GPU number (on the CPU the wall clock's noise is larger than it)
             if spec_ok and target == spec and dev.type == "cuda":
-                lay = "NHD" if "NHD" in backend.layouts else backend.layouts[0]
-                qd, kd, vd = (qc.view(b, -1, h, d), kc.view(b, -1, h, d), vc.view(b, -1, h, d))
-                if lay == "HND":
-                    qd, kd, vd = (t.transpose(1, 2) for t in (qd, kd, vd))
-                opts = dict(backend.options)
-
-                def direct(backend=backend, lay=lay, qd=qd, kd=kd, vd=vd, opts=opts):
-                    return backend.fn(qd, kd, vd, layout=lay, mask=None, scale=d**-0.5, opts=opts)
+                bare, _ = plan_call(backend, qc, kc, vc, h, opts=dict(backend.options))
+                if bare is not None:
+                    def direct(run=bare.run):
+                        return run(qc, kc, vc)
         except Exception:
             direct = None
         if not spec_ok:

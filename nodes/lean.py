@@ -1,7 +1,8 @@
 """The calls: after the first call of an exact call shape (which takes the full path and its checks), the override
 caches the resolved call per shape in its lane, and later calls of that shape run it with nothing else.
 
-An entry is one of:
+An entry is called with the call's q, k, v and its layer, or, where it ``hands_over`` the call, with what the hook got
+(``func, args, kwargs``) and the layer; ``exact``: it runs an exact kernel (no re-check at auto's check steps). One of:
 
 - the chosen kernel's :class:`~..attention.calls.KernelCall` (``dispatch.direct_call``: the view to the kernel's
   layout, the kernel, the NaN flag, the count, the reshape back): the explicit backend's, or ``auto``'s or
@@ -50,7 +51,9 @@ def attempt(ln, key, func, args, kwargs):
     layer = ln.layer
     ln.layer = layer + 1
     try:
-        return entry(func, args, kwargs, layer)
+        if entry.hands_over:
+            return entry(func, args, kwargs, layer)
+        return entry(args[0], args[1], args[2], layer)
     except Exception:  # the full path falls back and counts it
         ln.layer = layer
         ln.lean[key] = False
@@ -94,11 +97,9 @@ def _chosen(cfg, q, k, v, heads, sr):
 
 
 def _kernel(call, exact):
-    def kernel(func, args, kwargs, layer):
-        return call(args[0], args[1], args[2], layer)
-
-    kernel.exact = exact
-    return kernel
+    """A KernelCall's ``run`` as an entry: called with the call's q, k, v and its layer (the NaN check's key)."""
+    call.exact, call.hands_over = exact, False
+    return call
 
 
 def _declined(ov, ln, func, q, k, v, heads, sr, sor, k_smoothed, name=None, refused=None):
@@ -126,5 +127,5 @@ def _to_previous(stats, previous, name, refused):
         stats.count_call(PREVIOUS)
         return previous(func, *args, **kwargs)
 
-    to_previous.exact = True
+    to_previous.exact, to_previous.hands_over = True, True
     return to_previous

@@ -48,6 +48,7 @@ from .hook import (
     wants_full_precision,
 )
 from .lane import Lane, Lanes
+from .lean import MISS
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -181,7 +182,7 @@ class AttentionOverride:
             key = lean.key(args, kwargs, ln.config.sparse_ok if ln.active else None)
             if key is not None:
                 out = lean.attempt(ln, key, func, args, kwargs)
-                if out is not lean.MISS:
+                if out is not MISS:
                     return out
                 if key in ln.lean:
                     key = None  # an entry the full path takes at this step or from now on: leave it
@@ -224,7 +225,7 @@ class AttentionOverride:
             key = call_key(q, k, v, heads, skip_reshape, False, None, False, k_smoothed,
                            ln.config.sparse_ok if ln.active else None, False)
             out = lean.attempt(ln, key, None, (q, k, v), None)
-            if out is not lean.MISS:
+            if out is not MISS:
                 return out
             if key in ln.lean:
                 key = None
