@@ -1,9 +1,12 @@
 """One kernel call: ComfyUI's calling convention checked and turned into 4-D views, a backend planned and run.
 
-The pieces :mod:`dispatch` (the entry point, fallback and statistics) and :mod:`auto` (timing candidates) both call;
-neither imports the other for them.  Layout handling lives here once: kernels are handed a *view* in a layout they
-declare (``NHD`` is a free view of ComfyUI's ``[B, N, H*D]``, ``HND`` a free transpose), head dims a kernel lacks are
-zero-padded, fp32 is computed in a half dtype and cast back.
+The one way from q/k/v to an attention output is a :class:`KernelCall`, planned once per backend x exact call shape x
+options (:func:`plan_call`) and run by everything that calls a kernel: :mod:`dispatch` (the entry point, fallback and
+statistics: its full path and its per-shape cache), the node's per-shape cached calls, :mod:`auto`'s timing of its
+candidates and the benchmarks' bare kernel call.  :func:`call_key` is the key of every per-shape cache.  Layout
+handling lives here once: kernels are handed a *view* in a layout they declare (``NHD`` is a free view of ComfyUI's
+``[B, N, H*D]``, ``HND`` a free transpose), head dims a kernel lacks are zero-padded, fp32 is computed in a half dtype
+and cast back.
 """
 
 from __future__ import annotations

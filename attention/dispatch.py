@@ -8,8 +8,8 @@ returns exactly what ComfyUI's own attention returns: ``[B, N, H*D]``, or
 A call a backend cannot take (by its declared constraints) or that raises goes to
 the next backend in the chain -- the config's fallbacks, then, where the config has an exact selector, the fastest
 exact kernel for the call's shape, then SDPA: counted in :class:`Stats` and logged
-once per (backend, reason).  The call itself (layouts, padding, casts) is
-:mod:`calls`; ``auto``'s and ``auto_exact``'s choices are :mod:`auto`.
+once per (backend, reason).  The call itself (layouts, padding, casts) is a :class:`~.calls.KernelCall`, planned once
+per backend and call shape; ``auto``'s and ``auto_exact``'s choices are :mod:`auto`.
 """
 
 from __future__ import annotations
