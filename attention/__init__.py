@@ -7,11 +7,6 @@
 from .auto import AutoSelector
 from .constraints import CallSpec
 from .dispatch import (
-    AUTO,
-    AUTO_EXACT,
-    AUTO_FAST,
-    AUTOS,
-    REFERENCE,
     AttentionConfig,
     BackendUnavailableError,
     NonFiniteOutput,
@@ -19,6 +14,7 @@ from .dispatch import (
     make_spec,
     use_backend,
 )
+from .names import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, REFERENCE
 from .registry import REGISTRY, Availability, Backend
 from .report import environment, report_rows
 from .stats import Stats

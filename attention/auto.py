@@ -55,7 +55,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .calls import REFERENCE, finite_flag, plan_for, run_backend
+from .calls import KernelCall, finite_flag, plan_for
+from .names import AUTO, AUTO_EXACT, AUTO_FAST, REFERENCE
 from .reference import accuracy, reference_attention  # noqa: F401  (accuracy: re-exported)
 from .registry import ACCURACY, REGISTRY
 
@@ -366,7 +367,7 @@ class AutoSelector:
 
     @property
     def label(self) -> str:
-        return "auto_exact" if self.exact_only else "auto" if self.over_run else "auto_fast"
+        return AUTO_EXACT if self.exact_only else AUTO if self.over_run else AUTO_FAST
 
     def demote(self, sig: str, why: str) -> None:
         """Use the fastest exact kernel (SDPA without an exact selector) for ``sig`` until :attr:`demoted` is cleared
@@ -412,9 +413,10 @@ class AutoSelector:
                     continue
 
                 check = cfg.check_finite and b.quantized
+                kc = KernelCall(b, spec, target, layout, scale, opts, as_4d=True)
 
-                def call(b=b, target=target, opts=opts, check=check):
-                    out = run_backend(b, q4, k4, v4, layout, mask4, spec, target, scale, opts)[0]
+                def call(kc=kc, check=check):
+                    out = kc.run(q4, k4, v4, None, mask4)
                     if check:  # the dispatcher's NaN check is part of this backend's cost
                         flag = finite_flag(out)
                         if cfg.check_finite is True:
@@ -471,7 +473,7 @@ def describe(name: str, report: list[Candidate], took_ms: float) -> str:
 def select(cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
     """auto's (or auto_fast's) choice for the call."""
     if cfg.auto is None:
-        cfg.auto = AutoSelector.fast() if cfg.backend == "auto_fast" else AutoSelector()
+        cfg.auto = AutoSelector.fast() if cfg.backend == AUTO_FAST else AutoSelector()
     return cfg.auto.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)
 
 

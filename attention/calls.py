@@ -1,9 +1,12 @@
 """One kernel call: ComfyUI's calling convention checked and turned into 4-D views, a backend planned and run.
 
-The pieces :mod:`dispatch` (the entry point, fallback and statistics) and :mod:`auto` (timing candidates) both call;
-neither imports the other for them.  Layout handling lives here once: kernels are handed a *view* in a layout they
-declare (``NHD`` is a free view of ComfyUI's ``[B, N, H*D]``, ``HND`` a free transpose), head dims a kernel lacks are
-zero-padded, fp32 is computed in a half dtype and cast back.
+The one way from q/k/v to an attention output is a :class:`KernelCall`, planned once per backend x exact call shape x
+options (:func:`plan_call`) and run by everything that calls a kernel: :mod:`dispatch` (the entry point, fallback and
+statistics: its full path and its per-shape cache), the node's per-shape cached calls, :mod:`auto`'s timing of its
+candidates and the benchmarks' bare kernel call.  :func:`call_key` is the key of every per-shape cache.  Layout
+handling lives here once: kernels are handed a *view* in a layout they declare (``NHD`` is a free view of ComfyUI's
+``[B, N, H*D]``, ``HND`` a free transpose), head dims a kernel lacks are zero-padded, fp32 is computed in a half dtype
+and cast back.
 """
 
 from __future__ import annotations
@@ -13,10 +16,8 @@ import torch.nn.functional as F
 
 from . import backends as _backends  # noqa: F401  (registers every backend)
 from .constraints import CallSpec
+from .names import REFERENCE  # noqa: F401  (re-exported)
 from .registry import Backend
-
-REFERENCE = "sdpa"
-
 
 # ---------------------------------------------------------------- ComfyUI's convention
 
@@ -194,6 +195,22 @@ def finish(out, layout, spec, skip_output_reshape):
     return out.transpose(1, 2).reshape(b, n, -1)
 
 
+def call_key(q, k, v, heads, skip_reshape, skip_output_reshape=False, mask=None, enable_gqa=False, k_smoothed=False,
+             phase=True, whole=True):
+    """The key of what is cached per exact call shape (the dispatcher's plans, the node's lean calls, its refusals):
+    everything a call's plan depends on. The shapes, dtype and device, ``heads`` and both reshape flags (they set the
+    views and the kernel's layout); the mask's shape, dtype and device (its kind decides who takes the call, its dims
+    how it is expanded); ``enable_gqa`` (how K and V are read); ``k_smoothed`` (a ``smooth_k`` kernel is told not to
+    subtract K's mean again); ``phase``, what else decides the choice: whether sparse kernels may run in this forward,
+    or None for a forward Patch Attention runs dense.  ``whole``: K's and V's own dtypes and devices too, for a cache
+    whose calls are not validated again (the dispatcher's: a call that mixes them misses it and is refused with the
+    reason); the node's lean calls leave them out (ComfyUI's models never mix them, and each field costs time on every
+    call)."""
+    key = (q.shape, k.shape, v.shape, q.dtype, q.device, heads, skip_reshape, skip_output_reshape,
+           None if mask is None else (mask.shape, mask.dtype, mask.device), enable_gqa, k_smoothed, phase)
+    return key + (k.dtype, v.dtype, k.device, v.device) if whole else key
+
+
 # ---------------------------------------------------------------- planning and running one backend
 
 _plan_cache: dict = {}
@@ -225,29 +242,143 @@ def kernel_layout(backend: Backend, layout: str, skip_output_reshape: bool = Fal
 
 def run_backend(backend: Backend, q4, k4, v4, layout, mask, spec: CallSpec, target: CallSpec, scale, opts,
                 skip_output_reshape=False):
-    """Call ``backend`` on 4-D q/k/v in ``layout``; returns (out in ``layout`` at spec's dtype/dim, extras). The output
-    may be a view of the kernel's own layout (see :func:`kernel_layout`)."""
-    bl = kernel_layout(backend, layout, skip_output_reshape)
-    q, k, v = (to_layout(t, layout, bl) for t in (q4, k4, v4))
-    if target.dtype != spec.dtype:
-        q, k, v = (t.to(target.dtype) for t in (q, k, v))
-    pad = target.head_dim - spec.head_dim
-    if pad:
-        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
-    # kernels need the head dim contiguous; SDPA's fused kernels too (else it drops to the O(N^2)-memory math path)
-    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    m = mask
-    if m is not None and m.dtype != torch.bool and m.dtype != target.dtype:
-        m = m.to(target.dtype)
-    out = backend.fn(q, k, v, layout=bl, mask=m, scale=scale, opts=opts)
-    extras = None
-    if isinstance(out, tuple):
-        out, extras = out
-    if pad:
-        out = out[..., : spec.head_dim]
-    if out.dtype != spec.dtype:
-        out = out.to(spec.dtype)
-    return to_layout(out, bl, layout), extras
+    """Call ``backend`` once on 4-D q/k/v in ``layout``; returns (out in ``layout`` at spec's dtype/dim, the kernel's
+    extras or None). A :class:`KernelCall` planned for this one call (``as_4d``): callers that call a shape again keep
+    the :class:`KernelCall` instead."""
+    extras = []
+    kc = KernelCall(backend, spec, target, layout, scale, opts, skip_output_reshape, as_4d=True, report=extras.append)
+    out = kc.run(q4, k4, v4, None, mask)
+    return out, (extras[0] if extras else None)
+
+
+class KernelCall:
+    """One backend planned for one exact call shape and options: built once, then run for every call of that shape.
+
+    What was planned: the 4-D views of ComfyUI's q/k/v (``views``: their shapes; K and V of more than 3 dims read as
+    ComfyUI reads them, :func:`comfy_kv`), the layout handed to the kernel (``kernel_layout``, a transpose away from
+    the call's), a cast to the dtype the kernel computes in and a zero-padded head dim (``target``: what
+    :func:`plan_for` adapted), the kernel with its options and scale, and the way back: what ComfyUI's attention
+    returns for ``skip_output_reshape`` (or, ``as_4d``, the output in the call's own 4-D ``layout``).
+
+    ``run(q, k, v, check_key=None, mask=None)`` runs it: q/k/v as ComfyUI hands them (already 4-D in ``layout`` when
+    ``views`` is None), the head dim made contiguous where it is not (kernels need it; SDPA's fused kernels too, else it
+    drops to its O(N^2)-memory math path), ``mask`` as ComfyUI hands it. Besides the kernel, per call and only where
+    asked: the NaN check of a quantized kernel's output (``watch``: an object with ``check_finite``, read per call, and
+    ``check_output(out, name, spec, check_key)``), the count (``calls``: a Counter) and with it the fallback it stands
+    for (``fallbacks``: a Counter, ``fallback``: (from, why)), the kernel's extras (``report(extras)``). Without those
+    it is the bare call, the kernel as a pack that calls it straight from the hook runs it.
+    """
+
+    __slots__ = ("backend", "spec", "target", "layout", "kernel_layout", "scale", "opts", "views", "run")
+
+    def __init__(self, backend: Backend, spec: CallSpec, target: CallSpec, layout: str, scale, opts,
+                 skip_output_reshape=False, *, views=None, as_4d=False, watch=None, calls=None, fallbacks=None,
+                 fallback=None, report=None):
+        self.backend, self.spec, self.target, self.layout, self.scale, self.opts = (backend, spec, target, layout,
+                                                                                     scale, opts)
+        self.kernel_layout = kernel_layout(backend, layout, skip_output_reshape)
+        self.views = views
+        out = layout if as_4d else "HND" if skip_output_reshape else "flat"
+        self.run = self._compile(out, watch if backend.quantized else None, calls,
+                                 None if fallback is None else (fallbacks, (fallback[0], backend.name, fallback[1])),
+                                 report)
+
+    def __call__(self, q, k, v, check_key=None, mask=None):
+        return self.run(q, k, v, check_key, mask)
+
+    def _compile(self, out_as, watch, calls, fallback, report):
+        """The call as one function of the plan's constants (closure cells: no attribute read per call)."""
+        fn, kl, scale, opts, spec, name = (self.backend.fn, self.kernel_layout, self.scale, self.opts, self.spec,
+                                           self.backend.name)
+        views = self.views
+        vq = vk = vv = rk = rv = None
+        if views is not None:
+            vq, vk, vv, rk, rv = views
+        swap = kl != self.layout
+        dt, cast = spec.dtype, (self.target.dtype if self.target.dtype != spec.dtype else None)
+        pad, d = self.target.head_dim - spec.head_dim, spec.head_dim
+        adapt, mask_dt = cast is not None or pad > 0, cast or dt
+        back = kl != ("NHD" if out_as == "flat" else out_as)
+        flat, b, n = out_as == "flat", spec.batch, spec.q_len
+        fallbacks, fb = fallback if fallback is not None else (None, None)
+
+        def run(q, k, v, check_key=None, mask=None):
+            if views is not None:
+                q, k, v = q.view(vq), rk(k, vk), rv(v, vv)
+            if swap:
+                q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
+            if adapt:  # the dtype the kernel computes in, the head dim it has
+                if cast is not None:
+                    q, k, v = q.to(cast), k.to(cast), v.to(cast)
+                if pad:
+                    q, k, v = F.pad(q, (0, pad)), F.pad(k, (0, pad)), F.pad(v, (0, pad))
+            if q.stride(-1) != 1:
+                q = q.contiguous()
+            if k.stride(-1) != 1:
+                k = k.contiguous()
+            if v.stride(-1) != 1:
+                v = v.contiguous()
+            if mask is not None:
+                mask = mask_4d(mask)
+                if mask.dtype != torch.bool and mask.dtype != mask_dt:
+                    mask = mask.to(mask_dt)
+            out = fn(q, k, v, layout=kl, mask=mask, scale=scale, opts=opts)
+            if type(out) is tuple:
+                out, extras = out
+                if report is not None:
+                    report(extras)
+            if adapt:  # back to the call's head dim and dtype (a kernel computes in the dtype it is handed)
+                if pad:
+                    out = out[..., :d]
+                if out.dtype is not dt:
+                    out = out.to(dt)
+            if watch is not None and watch.check_finite:
+                watch.check_output(out, name, spec, check_key)
+            if calls is not None:
+                calls[name] += 1
+                if fb is not None:
+                    fallbacks[fb] += 1
+            if back:
+                out = out.transpose(1, 2)
+            return out.reshape(b, n, -1) if flat else out
+
+        return run
+
+
+def call_options(backend: Backend, opts, k_smoothed=False) -> dict:
+    """The options ``backend`` is called with: ``opts`` (the config's for it, and a call's own), and ``smooth_k=False``
+    where a compiled graph already subtracted K's mean (``k_smoothed``) for a ``smooth_k`` kernel."""
+    opts = opts or {}
+    if k_smoothed and backend.smooth_k:
+        opts = {**opts, "smooth_k": False}
+    return opts
+
+
+def plan_call(backend: Backend, q, k, v, heads, skip_reshape=False, skip_output_reshape=False, *, opts=None,
+              scale=None, enable_gqa=False, k_smoothed=False, **run):
+    """``(KernelCall, None)`` for calls shaped exactly like this one (no mask) on ``backend`` with ``opts``, or
+    ``(None, why)`` when it refuses such a call. ``run``: what the call does besides the kernel (``watch``,
+    ``calls``, ``fallbacks``, ``fallback``: see :class:`KernelCall`); without it, the bare call. Raises ValueError for
+    a call no attention function can take."""
+    q4, k4, v4, layout, spec, _, scale = prepare(q, k, v, heads, None, skip_reshape, scale, enable_gqa)
+    target, reason = plan_for(backend, spec)
+    if reason is None:
+        reason = backend.refuses(spec, opts)
+    if reason is not None:
+        return None, reason
+    return KernelCall(backend, spec, target, layout, scale, call_options(backend, opts, k_smoothed), skip_output_reshape,
+                      views=comfy_views(q, k, v, q4, k4, v4, skip_reshape), **run), None
+
+
+def comfy_views(q, k, v, q4, k4, v4, skip_reshape):
+    """How a :class:`KernelCall` turns calls shaped like ``q, k, v`` into the 4-D ``q4, k4, v4`` :func:`qkv_4d` made
+    of them: None for ``[B, H, N, D]`` calls (already 4-D); else the three shapes and, for K and V, the method that
+    gets there (a view of ``[B, N, H*D]``; ComfyUI's reshape for a K or V of more dims, :func:`comfy_kv`)."""
+    if skip_reshape:
+        return None
+    view, reshape = torch.Tensor.view, torch.Tensor.reshape
+    return (tuple(q4.shape), tuple(k4.shape), tuple(v4.shape), view if k.ndim == 3 else reshape,
+            view if v.ndim == 3 else reshape)
 
 
 def finite_flag(out: torch.Tensor) -> torch.Tensor:

@@ -8,8 +8,8 @@ returns exactly what ComfyUI's own attention returns: ``[B, N, H*D]``, or
 A call a backend cannot take (by its declared constraints) or that raises goes to
 the next backend in the chain -- the config's fallbacks, then, where the config has an exact selector, the fastest
 exact kernel for the call's shape, then SDPA: counted in :class:`Stats` and logged
-once per (backend, reason).  The call itself (layouts, padding, casts) is
-:mod:`calls`; ``auto``'s and ``auto_exact``'s choices are :mod:`auto`.
+once per (backend, reason).  The call itself (layouts, padding, casts) is a :class:`~.calls.KernelCall`, planned once
+per backend and call shape; ``auto``'s and ``auto_exact``'s choices are :mod:`auto`.
 """
 
 from __future__ import annotations
@@ -25,29 +25,29 @@ import torch
 
 from .auto import select, select_exact
 from .calls import (  # noqa: F401  (re-exported: the pieces of one call)
-    REFERENCE,
+    KernelCall,
+    call_key,
+    call_options,
     clear_plan_cache,
+    comfy_views,
     finish,
     finite_flag,
     kernel_layout,
     make_spec,
     mask_4d,
+    plan_call,
     plan_for,
     prepare,
     qkv_4d,
     run_backend,
     to_layout,
 )
+from .names import AUTO, AUTO_EXACT, AUTO_FAST, AUTOS, REFERENCE  # noqa: F401  (re-exported)
 from .reference import accuracy, accuracy_sums
 from .registry import REGISTRY
 from .stats import Stats, cuda_event
 
 log = logging.getLogger("patch_attention.dispatch")
-
-AUTO = "auto"
-AUTO_EXACT = "auto_exact"  # the fastest exact kernel per call shape (attention.auto, exact_only)
-AUTO_FAST = "auto_fast"  # auto's earlier, looser gate, judged on the calls it times (attention.auto, AutoSelector.fast)
-AUTOS = (AUTO, AUTO_EXACT, AUTO_FAST)
 
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("patch_attention_forced", default=None)
 
@@ -110,6 +110,19 @@ class AttentionConfig:
         values = read_back(tensors)
         bad = [(key, name) for (key, name, _), v in zip(pending, values) if not math.isfinite(v[0])]
         return bad, values[len(pending):]
+
+    def check_output(self, out, name: str, spec, check_key) -> None:
+        """The NaN check of a quantized kernel's output (``check_finite`` on): recorded on the device while a
+        ``"deferred"`` config is in a forward, else at once (a :class:`NonFiniteOutput` for a non-finite output)."""
+        if self.check_finite == "deferred" and self.in_forward:
+            if len(self._pending) >= 4096:  # nobody is reading them: settle these now rather than grow
+                for key, bad in self.take_nonfinite():
+                    self.stats.count_error(bad, "non-finite output (deferred check not read in time)")
+                    _warn_once((bad, "deferred"), "%s returned NaN/inf (call %s); deferred checks were not read in "
+                               "time", bad, key)
+            self._pending.append((check_key, name, finite_flag(out)))
+        elif not bool(finite_flag(out).isfinite()):
+            raise NonFiniteOutput(f"{name} returned non-finite values (NaN/inf) for {spec.short()}")
 
     def __post_init__(self):
         for name in (self.backend, *self.fallbacks):
@@ -204,28 +217,57 @@ def attention(
     ``smooth_k`` backend): such backends are told not to do it again; every other backend computes the same attention.
     ``scale``: the softmax scale (default ``head_dim ** -0.5``). ``enable_gqa``: K/V ``[B, N, Hk*D]`` with fewer heads
     than Q (ComfyUI's keyword; with ``skip_reshape`` the head counts say it).
+
+    A call shaped exactly like an earlier one (and without per-call options, tag, scale or timing) runs the
+    :class:`~.calls.KernelCall` the earlier one planned, with no validation or planning; if it raises, the call takes
+    the full path, which falls back and counts it.
     """
     cfg = config if config is not None else AttentionConfig()
     key = None
     if options is None and tag is None and scale is None and not cfg.record_time and _forced.get() is None:
         # k_smoothed is in the key: the cached options then carry the smooth_k=False it implies
-        key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, heads, skip_reshape,
-               None if mask is None else (mask.shape, mask.dtype, mask.device), k_smoothed, enable_gqa, cfg.sparse_ok)
+        key = call_key(q, k, v, heads, skip_reshape, skip_output_reshape, mask, enable_gqa, k_smoothed, cfg.sparse_ok)
         hit = cfg._fast.get(key)
         if hit is not None:
-            out = _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape, enable_gqa)
-            if out is not None:
-                return finish(out, hit[3], hit[2], skip_output_reshape)
-            cfg._fast.pop(key, None)  # it raised: the full path below handles and counts it
-    q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape, scale, enable_gqa)
+            try:
+                return hit(q, k, v, check_key, mask)
+            except Exception:
+                cfg._fast.pop(key, None)  # the full path below handles and counts it
+    call = Call(q, k, v, heads, mask, skip_reshape, skip_output_reshape, options, scale, tag, check_key, k_smoothed,
+                enable_gqa)
+    return _full_path(cfg, call, key)
 
+
+@dataclass
+class Call:
+    """One call's arguments, as :func:`attention` got them (the full path's)."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    heads: int
+    mask: torch.Tensor | None
+    skip_reshape: bool
+    skip_output_reshape: bool
+    options: dict | None
+    scale: float | None
+    tag: str | None
+    check_key: object
+    k_smoothed: bool
+    enable_gqa: bool
+
+
+def _full_path(cfg: AttentionConfig, c: Call, key):
+    """Validate and plan the call, then its backends in turn until one returns; the one that did is cached under
+    ``key`` (None: not cached) for the next call of the shape."""
+    q4, k4, v4, layout, spec, mask4, scale = prepare(c.q, c.k, c.v, c.heads, c.mask, c.skip_reshape, c.scale,
+                                                     c.enable_gqa)
     first = _forced.get() or cfg.backend
     if first == AUTO or first == AUTO_FAST:
         first = select(cfg, q4, k4, v4, layout, mask4, spec, scale)
     elif first == AUTO_EXACT:
         first = select_exact(cfg, q4, k4, v4, layout, mask4, spec, scale)
-
-    out = None
+    views = comfy_views(c.q, c.k, c.v, q4, k4, v4, c.skip_reshape)
     prev, prev_reason = None, None
     raised = False
     stats = cfg.stats
@@ -234,129 +276,75 @@ def attention(
         target, reason = plan_for(backend, spec)
         if reason is None:
             opts = cfg.options.get(name) or {}
-            if options:
-                opts = {**opts, **options}
+            if c.options:
+                opts = {**opts, **c.options}
             if backend.declines is not None:
                 reason = backend.refuses(spec, opts)
-        if reason is None:
-            if prev is not None:
-                stats.count_fallback(prev, name, prev_reason)
-                _warn_once((prev, prev_reason), "%s cannot take %s: %s; using %s (counted in stats)",
-                           prev, spec.short(), prev_reason, name)
-            if k_smoothed and backend.smooth_k:
-                opts = {**opts, "smooth_k": False}
-            try:
-                if cfg.record_time:
-                    if q.is_cuda:
-                        t0, t1 = cuda_event(), cuda_event()
-                        t0.record()
-                    else:
-                        t0 = time.perf_counter()
-                out, extras = run_backend(backend, q4, k4, v4, layout, mask4, spec, target, scale, opts, skip_output_reshape)
-                _check(cfg, backend, out, spec, check_key)
-                if cfg.record_time:
-                    if q.is_cuda:
-                        t1.record()
-                    else:
-                        t1 = time.perf_counter()
-                    stats.add_time(name, t0, t1)
-            except Exception as e:
-                if name == REFERENCE or not cfg.allow_fallback:
-                    raise
-                err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-                stats.count_error(name, err)
-                raised = True
-                prev, prev_reason = name, ("non-finite output" if isinstance(e, NonFiniteOutput) else f"raised {err}")
-                continue
-            stats.count_call(name)
-            if extras:
-                stats.add_metrics(f"{name}@{tag}" if tag else name, extras)
-            elif key is not None and not raised:  # a backend that raised is tried again on the next call
-                if len(cfg._fast) > 4096:
-                    cfg._fast.clear()
-                cfg._fast[key] = (backend, target, spec, layout, (prev, prev_reason) if prev else None, opts)
-            break
-        if not cfg.allow_fallback and name == first:
-            raise BackendUnavailableError(f"attention backend {name!r} cannot take {spec.short()}: {reason} (fallback is off)")
-        if prev is None:
-            prev, prev_reason = name, reason
-    if out is None:  # pragma: no cover - SDPA takes every valid call
-        raise RuntimeError(f"no attention backend could take {spec.short()}")
-
-    return finish(out, layout, spec, skip_output_reshape)
+        if reason is not None:
+            if not cfg.allow_fallback and name == first:
+                raise BackendUnavailableError(f"attention backend {name!r} cannot take {spec.short()}: {reason} "
+                                              "(fallback is off)")
+            if prev is None:
+                prev, prev_reason = name, reason
+            continue
+        if prev is not None:
+            stats.count_fallback(prev, name, prev_reason)
+            _warn_once((prev, prev_reason), "%s cannot take %s: %s; using %s (counted in stats)",
+                       prev, spec.short(), prev_reason, name)
+        opts = call_options(backend, opts, c.k_smoothed)
+        plan = (backend, spec, target, layout, scale, opts, c.skip_output_reshape)
+        extras = []
+        try:
+            out = _timed(cfg, name, KernelCall(*plan, views=views, watch=cfg, calls=stats.calls, report=extras.append), c)
+        except Exception as e:
+            if name == REFERENCE or not cfg.allow_fallback:
+                raise
+            err = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            stats.count_error(name, err)
+            raised = True
+            prev, prev_reason = name, ("non-finite output" if isinstance(e, NonFiniteOutput) else f"raised {err}")
+            continue
+        if extras and extras[0]:
+            stats.add_metrics(f"{name}@{c.tag}" if c.tag else name, extras[0])
+        elif key is not None and not raised:  # a backend that raised is tried again on the next call
+            if len(cfg._fast) > 4096:
+                cfg._fast.clear()
+            cfg._fast[key] = KernelCall(*plan, views=views, watch=cfg, calls=stats.calls, fallbacks=stats.fallbacks,
+                                        fallback=(prev, prev_reason) if prev else None).run
+        return out
+    raise RuntimeError(f"no attention backend could take {spec.short()}")  # pragma: no cover - SDPA takes every call
 
 
-def _check(cfg, backend, out, spec, check_key):
-    if not cfg.check_finite or not backend.quantized:
-        return
-    if cfg.check_finite == "deferred" and cfg.in_forward:
-        if len(cfg._pending) >= 4096:  # nobody is reading them: settle these now rather than grow
-            for key, name in cfg.take_nonfinite():
-                cfg.stats.count_error(name, "non-finite output (deferred check not read in time)")
-                _warn_once((name, "deferred"), "%s returned NaN/inf (call %s); deferred checks were not read in time",
-                           name, key)
-        cfg._pending.append((check_key, backend.name, finite_flag(out)))
-    elif not bool(finite_flag(out).isfinite()):
-        raise NonFiniteOutput(f"{backend.name} returned non-finite values (NaN/inf) for {spec.short()}")
-
-
-def _fast_call(cfg, hit, q, k, v, heads, mask, skip_reshape, check_key, skip_output_reshape, enable_gqa=False):
-    """A call shaped exactly like an earlier one: same plan, no validation or planning.  None if it raised."""
-    backend, target, spec, layout, fallback, opts = hit
-    q4, k4, v4, _ = qkv_4d(q, k, v, heads, skip_reshape, enable_gqa)
-    try:
-        out, _ = run_backend(backend, q4, k4, v4, layout, mask_4d(mask), spec, target, spec.head_dim ** -0.5, opts,
-                             skip_output_reshape)
-        _check(cfg, backend, out, spec, check_key)
-    except Exception:
-        return None
-    if fallback is not None:
-        cfg.stats.count_fallback(fallback[0], backend.name, fallback[1])
-    cfg.stats.count_call(backend.name)
+def _timed(cfg: AttentionConfig, name: str, kc: KernelCall, c: Call):
+    """``kc`` run on the call, timed per backend when the config records time (CUDA events: no sync)."""
+    if not cfg.record_time:
+        return kc.run(c.q, c.k, c.v, c.check_key, c.mask)
+    cuda = c.q.is_cuda
+    if cuda:
+        t0, t1 = cuda_event(), cuda_event()
+        t0.record()
+    else:
+        t0 = time.perf_counter()
+    out = kc.run(c.q, c.k, c.v, c.check_key, c.mask)
+    if cuda:
+        t1.record()
+    else:
+        t1 = time.perf_counter()
+    cfg.stats.add_time(name, t0, t1)
     return out
 
 
 def direct_call(cfg: AttentionConfig, name: str, q, k, v, heads, skip_reshape=False, skip_output_reshape=False,
-                k_smoothed=False, scale=None, enable_gqa=False):
-    """``(call, None)``: a function for calls shaped exactly like this one (no mask) that runs backend ``name`` with
-    nothing else -- the view to the kernel's layout, the kernel, the deferred NaN flag, the count, the reshape back
-    -- for hosts that cache it per call shape (the node layer does). ``(None, why)`` when ``name`` refuses such a
-    call (the caller falls back), ``(None, None)`` when the call needs more than that (a cast, a padded head dim, a
-    head dim that is not contiguous): the full path takes those. ``call(q, k, v, check_key)`` raises whatever the kernel
+                k_smoothed=False, scale=None, enable_gqa=False, fallback=None):
+    """``(call, None)``: the :class:`~.calls.KernelCall` ``run`` of backend ``name`` for calls shaped exactly like this
+    one (no mask), with the config's options, NaN check and count, for hosts that cache it per call shape (the node
+    layer does); ``fallback`` = (from, why): each call is also counted as that fallback to ``name``.  ``(None, why)``
+    when ``name`` refuses such a call (the caller falls back). ``call(q, k, v, check_key)`` raises whatever the kernel
     raises. ``k_smoothed``, ``scale`` and ``enable_gqa`` as in :func:`attention`."""
-    backend = REGISTRY.get(name)
-    q4, k4, v4, layout, spec, _, scale = prepare(q, k, v, heads, None, skip_reshape, scale, enable_gqa)
-    target, reason = plan_for(backend, spec)
-    if reason is None:
-        reason = backend.refuses(spec, cfg.options.get(name))
-    if reason is not None:
-        return None, reason
-    bl = kernel_layout(backend, layout, skip_output_reshape)
-    if target != spec or any(t.stride(-1) != 1 for t in (q4, k4, v4)):
-        return None, None
-    fn, opts, calls = backend.fn, cfg.options.get(name) or {}, cfg.stats.calls
-    if k_smoothed and backend.smooth_k:
-        opts = {**opts, "smooth_k": False}
-    check = backend.quantized  # and cfg.check_finite, read per call: the node turns it off and on per forward
-    shapes = None if skip_reshape else (tuple(q4.shape), tuple(k4.shape), tuple(v4.shape))
-    swap = bl != layout
-
-    def call(q, k, v, check_key):
-        if q.stride(-1) != 1 or k.stride(-1) != 1 or v.stride(-1) != 1:
-            raise ValueError("head dim not contiguous")  # same shape, other strides: the full path copies
-        if shapes is not None:
-            q, k, v = q.view(shapes[0]), k.view(shapes[1]), v.view(shapes[2])
-        if swap:
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-        out = fn(q, k, v, layout=bl, mask=None, scale=scale, opts=opts)
-        if type(out) is tuple:
-            out = out[0]
-        if check and cfg.check_finite:
-            _check(cfg, backend, out, spec, check_key)
-        calls[name] += 1
-        return finish(out, bl, spec, skip_output_reshape)
-
-    return call, None
+    kc, why = plan_call(REGISTRY.get(name), q, k, v, heads, skip_reshape, skip_output_reshape,
+                        opts=cfg.options.get(name), scale=scale, enable_gqa=enable_gqa, k_smoothed=k_smoothed,
+                        watch=cfg, calls=cfg.stats.calls, fallbacks=cfg.stats.fallbacks, fallback=fallback)
+    return (None, why) if kc is None else (kc.run, None)
 
 
 def fp32_reference(q, k, v, heads, mask=None, *, skip_reshape=False, skip_output_reshape=False, scale=None,

@@ -34,7 +34,7 @@ from typing import NamedTuple
 import torch
 
 from ..attention.auto import AutoSelector, accuracy, time_call
-from ..attention.calls import compute_capability, make_spec, plan_for
+from ..attention.calls import compute_capability, make_spec, plan_call, plan_for
 from ..attention.constraints import CallSpec
 from ..attention.dispatch import AttentionConfig, attention
 from ..attention.reference import reference_attention
@@ -259,14 +259,10 @@ def _peak(fn, device=None):
 
 
 def _direct_call(backend, qc, kc, vc, b, h, d):
-    """``backend``'s kernel called on ComfyUI's ``[B, N, H*D]`` tensors viewed to its layout, nothing else: a row's
-    time over this one's is the dispatcher's overhead."""
-    lay = "NHD" if "NHD" in backend.layouts else backend.layouts[0]
-    qd, kd, vd = (qc.view(b, -1, h, d), kc.view(b, -1, h, d), vc.view(b, -1, h, d))
-    if lay == "HND":
-        qd, kd, vd = (t.transpose(1, 2) for t in (qd, kd, vd))
-    opts = dict(backend.options)
-    return lambda: backend.fn(qd, kd, vd, layout=lay, mask=None, scale=d**-0.5, opts=opts)
+    """``backend``'s bare call on ComfyUI's ``[B, N, H*D]`` tensors (the KernelCall the dispatcher runs, without its NaN
+    check or count): a row's time over this one's is the dispatcher's overhead."""
+    run = plan_call(backend, qc, kc, vc, h, opts=dict(backend.options))[0].run
+    return lambda: run(qc, kc, vc)
 
 
 def _comfy_default(qc, kc, vc, b, h, d):

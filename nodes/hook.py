@@ -24,6 +24,9 @@ ARG_NAMES = ("q", "k", "v", "heads", "mask", "attn_precision", "skip_reshape", "
 # one of these, it calls that function, so a dense call costs what it cost before the patch.
 HOST_EXACT = frozenset({"attention_pytorch", "attention_basic", "attention_split", "attention_sub_quad"})
 HOST = "comfyui"  # stats name of calls handed to ComfyUI's own attention function
+# The backend a user picks to keep ComfyUI's own attention function (its name in saved workflows); the registry's
+# backend of the same name is PyTorch's SDPA, the reference (attention.names.REFERENCE)
+COMFYUI_OWN = "sdpa"
 PREVIOUS = "previous override"  # stats name of calls handed to the override Patch Attention was applied over
 
 
@@ -63,6 +66,16 @@ def wants_full_precision(a, rest) -> bool:
     """The model asked for full-precision attention on this call (newer ComfyUI passes
     ``low_precision_attention=False`` where 8-bit is unsafe; ``attn_precision=torch.float32`` is the older way)."""
     return rest.get("low_precision_attention", True) is False or a.get("attn_precision") is torch.float32
+
+
+def as_float(sig):
+    """A sigma (tensor, number or None) as a float; one device sync for a device tensor."""
+    if sig is None or isinstance(sig, float):
+        return sig
+    try:
+        return float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
+    except Exception:
+        return None
 
 
 def is_host_exact(func) -> bool:

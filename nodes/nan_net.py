@@ -33,19 +33,9 @@ import torch
 from ..attention.calls import finite_flag
 from ..parallel.context import CP_KEY
 from . import recheck
-from .hook import COMPILE_KEY, BoundWrapper
+from .hook import COMPILE_KEY, BoundWrapper, as_float
 
 log = logging.getLogger("patch_attention.nodes")
-
-
-def as_float(sig):
-    """A sigma (tensor, number or None) as a float; one device sync for a device tensor."""
-    if sig is None or isinstance(sig, float):
-        return sig
-    try:
-        return float(sig.flatten()[0]) if hasattr(sig, "flatten") else float(sig)
-    except Exception:
-        return None
 
 
 def output_flag(out):
@@ -94,14 +84,14 @@ class ForwardWrapper(BoundWrapper):
         ln = ov.lane(x.device if isinstance(x, torch.Tensor) else None)
         cfg = ln.config
         sigma = args[1] if len(args) > 1 else kwargs.get("t")
-        spot = ov.rechecks_pending(ln)  # checks at the middle and last step are due: the sigma says which forward
-        if ov.sigma_range is not None or spot or ov.reads_sparse_phase(ln):
+        spot = ov.rechecks.pending(ln)  # checks at the middle and last step are due: the sigma says which forward
+        if ov.choice.sigma_range is not None or spot or ov.choice.reads_sparse_phase(ln):
             sigma = as_float(sigma)  # read once for every use below: one sync per forward
-        ln.active = ov.in_range(sigma) if ov.sigma_range is not None else True
-        ov.sparse_phase(ln, sigma)
-        ln.check_phase = ov.check_phase(ln, ov.phase_of(sigma) if spot else None)
+        ln.active = ov.choice.in_range(sigma) if ov.choice.sigma_range is not None else True
+        ov.choice.sparse_phase(ln, sigma)
+        ln.check_phase = ov.rechecks.check_phase(ln, ov.rechecks.phase_of(sigma) if spot else None)
         ln.check_round += ln.check_phase is not None
-        ov.refresh(ln)  # another lane refused one of auto's choices: this lane's cached calls go
+        ov.rechecks.refresh(ln)  # another lane refused one of auto's choices: this lane's cached calls go
         ln.layer = 0
         ln.probes = []
         per_call = False
@@ -119,7 +109,7 @@ class ForwardWrapper(BoundWrapper):
                 topts = args[TOPTS_ARG] if len(args) > TOPTS_ARG else kwargs.get("transformer_options")
                 wrappers = (topts or {}).get("wrappers", {}).get("apply_model", {})
                 ov.unreached(ln, getattr(executor, "class_obj", None), compiled=COMPILE_KEY in wrappers)
-            ov.note_choices(ln)
+            ov.choice.note_choices(ln)
             ln.first_forward = False
         finally:
             cfg.in_forward = False
@@ -133,23 +123,23 @@ class ForwardWrapper(BoundWrapper):
     @staticmethod
     def checked(ov, ln, forward, per_call, args, kwargs):
         """The forward, its NaN flags and auto's accuracy checks read back in one device read, and computed again
-        where they found something: layers with NaN go dense (:meth:`~.override.AttentionOverride.mark_nonfinite`),
-        lossy choices beyond the gate are refused (:meth:`~.override.AttentionOverride.refuse`)."""
+        where they found something: layers with NaN go dense (:meth:`~.choose.DenseChoice.mark_nonfinite`),
+        lossy choices beyond the gate are refused (:meth:`~.recheck.Rechecks.refuse`)."""
         cfg = ln.config
         judged = cfg.auto is not None and cfg.auto.over_run
         while True:
             out = forward()
             split = split_context(args, kwargs)  # a forward split over GPUs: every GPU decides as one (see below)
             # the output check (after the first forward, where the model keeps NaN visible): its device flag
-            flag = output_flag(out) if ov.nan_net and not per_call and ov.lossy_ran(ln) else None
+            flag = output_flag(out) if ov.nan_net and not per_call and ov.rechecks.lossy_ran(ln) else None
             bad, values = cfg.take_checks(([flag] if flag is not None else []) + [p.sums for p in ln.probes])
             nonfinite = flag is not None and not math.isfinite(values.pop(0)[0])
             failed = recheck.judge(ln, values)
             if failed:
-                ov.refuse(ln, failed)  # before the GPUs of a split compare: theirs see the refusal in the selectors
+                ov.rechecks.refuse(ln, failed)  # before the GPUs of a split compare: theirs see the refusal in the selectors
             refused = split.any(bool(failed)) if split is not None and judged else bool(failed)
             if refused:
-                ov.refresh(ln)
+                ov.rechecks.refresh(ln)
             redone = False
             if per_call:
                 if split is not None:
@@ -172,7 +162,7 @@ class ForwardWrapper(BoundWrapper):
             if bad:
                 # A kernel returned NaN/inf somewhere in this forward: those layers run dense for the rest of the
                 # sampling run, and the forward is computed again.
-                ov.mark_nonfinite(bad, ln)
+                ov.choice.mark_nonfinite(bad, ln)
                 ln.check_phase = None
                 ln.layer = 0
                 out = forward()

@@ -17,11 +17,12 @@ from dataclasses import dataclass
 from ..attention import AUTO, AUTO_EXACT, AUTO_FAST, REGISTRY, AttentionConfig, AutoSelector
 from ..attention.auto import FAST_MAX_REL_L1, FAST_MIN_COS, default_cache_path
 from ..attention.sparge_profile import SpargeProfile
+from .choose import in_ranges
 from .compose import SampleWrapper, install, previous_override
 from .hook import OVERRIDE_KEY, HookMissingError, bind, check_hook
 from .loaded import drop_released
 from .nan_net import ForwardWrapper, as_float, model_hides_nan, output_flag
-from .override import AttentionOverride, in_ranges
+from .override import AttentionOverride
 
 __all__ = ["OVERRIDE_KEY", "AttentionOverride", "ForwardWrapper", "HookMissingError", "SampleWrapper", "SparseSettings",
            "as_float", "check_hook", "in_ranges", "model_hides_nan", "output_flag", "override_of", "parse_layers",

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -35,8 +36,80 @@ from ..attention.auto import DEFAULT_MAX_REL_L1, DEFAULT_MIN_COS
 from ..attention.calls import prepare
 from ..attention.dispatch import error_sums, error_vs_reference
 from ..attention.reference import from_sums
+from .hook import as_float
 
 log = logging.getLogger("patch_attention.nodes")
+
+
+class Rechecks:
+    """When an override's forwards check auto's lossy choices, and what a refusal does to the lanes' cached calls."""
+
+    def __init__(self):
+        self.check_sigmas = {}  # sigma of the middle and last step of the current run -> "mid"/"last"
+        self.gate_version = 0  # +1 whenever a lane refuses one of auto's choices: every lane drops its cached calls
+        self._lock = threading.Lock()
+
+    def start_run(self, config, sigmas) -> None:
+        self.check_sigmas = {}
+        if config.auto is not None and sigmas is not None and len(sigmas) > 2:
+            steps = [float(x) for x in sigmas[:-1]]  # one sync per run; the last sigma is the end of the schedule
+            self.check_sigmas = {steps[len(steps) // 2]: "mid", steps[-1]: "last"}
+
+    @staticmethod
+    def lossy_ran(ln) -> bool:
+        """A lossy (quantized) kernel has run in this lane in this run: only then can the NaN net find anything, and
+        only then do auto's re-checks apply. A run on exact kernels (`sdpa`, auto keeping SDPA) pays neither."""
+        return any(n in REGISTRY and REGISTRY.get(n).quantized for n in ln.calls)
+
+    def pending(self, ln) -> bool:
+        """``auto`` has run a lossy choice in this run, so its middle and last steps check those: only then does a
+        forward read its sigma for the phase (a device sync per forward)."""
+        return bool(self.check_sigmas) and self.lossy_ran(ln)
+
+    @staticmethod
+    def check_phase(ln, phase):
+        """This forward's accuracy checks of auto's lossy choices (None: none): ``phase`` ("mid"/"last", from the
+        sigma); for ``auto`` also the first forward of the run whose calls it serves ("first": after
+        ``start_percent``) and the first of the sparse phase ("sparse-start"): where each phase's choices first run
+        in the run."""
+        cfg = ln.config
+        if cfg.auto is None or not ln.active or cfg.sparse_ok in ln.phases_run:
+            return phase
+        ln.phases_run.add(cfg.sparse_ok)
+        if phase is not None or not cfg.auto.over_run:
+            return phase
+        return "first" if len(ln.phases_run) == 1 else "sparse-start"
+
+    def phase_of(self, sigma):
+        """"mid"/"last" when ``sigma`` is the middle or last step of the run (auto re-checks then), else None."""
+        s = as_float(sigma) if self.check_sigmas else None
+        if s is None:
+            return None
+        return next((p for x, p in self.check_sigmas.items() if abs(x - s) <= 1e-4 * max(abs(x), 1e-6)), None)
+
+    def refuse(self, ln, failed) -> None:
+        """auto's lossy choices that left the gate in a forward of ``ln`` (:class:`Failed`): refused for their
+        signature from now on, in every lane (the lanes' selectors share what is refused; each lane drops its cached
+        calls at its next forward, this one now)."""
+        auto, stats = ln.config.auto, ln.config.stats
+        with self._lock:
+            for f in failed:
+                why = (f"left the gate at the {f.phase} step on layer {f.layer} (cos {f.cos:.5f}, rel-L1 {f.rel_l1:.4f}; "
+                       f"gate cos >= {auto.min_cos:g}, rel-L1 <= {auto.max_rel_l1:g})")
+                new = auto.refuse(f.sig, f.name, why)
+                stats.decisions[f.sig] = f"{new or 'tuned again'} from then on: {f.name} {why}"
+                log.warning("%s: %s %s; not used again for these calls (%s instead), this step computed again",
+                            auto.label, f.name, why, new or "the fastest of the others, measured again")
+            self.gate_version += 1
+        self.refresh(ln)
+
+    def refresh(self, ln) -> None:
+        """Drop ``ln``'s cached calls if a lane refused one of auto's choices since they were made (one comparison
+        per forward): its next calls ask the selector again."""
+        if ln.gate_seen != self.gate_version:
+            ln.gate_seen = self.gate_version
+            ln.lean.clear()
+            ln.config._fast.clear()
 
 
 def gate(cfg):
