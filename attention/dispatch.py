@@ -372,11 +372,14 @@ CHECK_ROWS = 1024  # query rows an accuracy check recomputes (spread evenly over
 
 
 def error_sums(out, q, k, v, heads, mask=None, *, rows: int = CHECK_ROWS, offset: int = 0, skip_reshape=False,
-               skip_output_reshape=False, scale=None, enable_gqa=False) -> torch.Tensor:
+               skip_output_reshape=False, scale=None, enable_gqa=False, reference: str | None = None) -> torch.Tensor:
     """The accuracy sums (:func:`reference.accuracy_sums`, a [5] fp64 device tensor: nothing is read back) of ``out``
     (what :func:`attention` returned for this call) against SDPA in the call's dtype, on ``rows`` query rows spread
     evenly over the call from ``offset`` (modulo the spacing; every row where the call has fewer). Attention is per
-    query row, so those rows' reference needs only them and every key: 1/32 of a dense call at 32,760 tokens."""
+    query row, so those rows' reference needs only them and every key: 1/32 of a dense call at 32,760 tokens.
+    ``reference``: an exact backend to compute it with where it takes the rows' call (no mask; the fastest exact kernel
+    for the call's shape, which PyTorch's own SDPA choice may not be: its flash kernel took 1.6x cuDNN's time on
+    Wan's self-attention on an H200), else PyTorch's SDPA."""
     q4, k4, v4, layout, spec, mask4, scale = prepare(q, k, v, heads, mask, skip_reshape, scale, enable_gqa)
     q4, k4, v4 = (to_layout(t, layout, "HND") for t in (q4, k4, v4))
     n = spec.q_len
@@ -389,8 +392,15 @@ def error_sums(out, q, k, v, heads, mask=None, *, rows: int = CHECK_ROWS, offset
             m = m.index_select(-2, idx)
         if m.dtype != torch.bool:
             m = m.to(qs.dtype)
-    kw = {"enable_gqa": True} if spec.kv_heads != spec.heads else {}
-    ref = torch.nn.functional.scaled_dot_product_attention(qs, k4, v4, attn_mask=m, scale=scale, **kw)
+    ref = None
+    if reference is not None and m is None and reference in REGISTRY:
+        call = plan_call(REGISTRY.get(reference), qs, k4, v4, spec.heads, skip_reshape=True, skip_output_reshape=True,
+                         scale=scale)[0]
+        if call is not None and not call.backend.quantized:
+            ref = call(qs, k4, v4)
+    if ref is None:
+        kw = {"enable_gqa": True} if spec.kv_heads != spec.heads else {}
+        ref = torch.nn.functional.scaled_dot_product_attention(qs, k4, v4, attn_mask=m, scale=scale, **kw)
     if skip_output_reshape:  # [B, H, N, Dv]
         got = out.index_select(2, idx)
     else:  # [B, N, H*Dv]

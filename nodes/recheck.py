@@ -8,8 +8,8 @@ lossy choices over the run.
   first forward it serves (after ``start_percent``), the first of the sparse phase (``sparse_start_percent``), the
   middle and the last step --
   every call ``auto`` serves with a lossy kernel (every layer, every signature in the phase it runs in) is compared
-  with SDPA in the call's dtype on 1,024 of its query rows, spread over the call (``dispatch.error_sums``: about 1/32
-  of a dense call at 32,760 tokens).  :func:`probe` leaves the comparison's five sums on the device; the forward's end
+  with dense attention in the call's dtype on 1,024 of its query rows, spread over the call (``dispatch.error_sums``:
+  about 1/32 of a dense call at 32,760 tokens, on the fastest exact kernel measured for the call's shape).  :func:`probe` leaves the comparison's five sums on the device; the forward's end
   reads them in the one device read it makes anyway (the NaN net's flag, :mod:`.nan_net`), and :func:`judge` applies
   the gate.  A choice beyond it on any call is refused for its signature from then on, in every lane
   (``AutoSelector.refuse``), and the forward is computed again without it.  No call waits for the device, and the
@@ -168,7 +168,10 @@ def probe(ln, layer, q, k, v, heads, mask, kw, out) -> None:
     name = auto.decisions.get(sig)
     if name is None or not REGISTRY.get(name).quantized:
         return
-    ln.probes.append(Probe(sig, name, layer, error_sums(out, q, k, v, heads, mask, offset=ln.check_round, **kw)))
+    ex = ln.dense.exact  # the reference on the fastest exact kernel for the call's shape, where one was measured
+    ref = ex.decisions.get(ex.key(spec)) if ex is not None else None
+    ln.probes.append(Probe(sig, name, layer, error_sums(out, q, k, v, heads, mask, offset=ln.check_round,
+                                                       reference=ref, **kw)))
 
 
 def judge(ln, readings) -> list[Failed]:

@@ -143,6 +143,28 @@ def test_check_steps_judge_every_layer_without_a_read_of_their_own(kernels, read
     assert not any(k.startswith(f"{GROW}@gate-") and "sparse" in k for k in m)  # no sparse schedule here
 
 
+def test_check_steps_compute_their_reference_on_the_fastest_exact_kernel(kernels, pack_backend):
+    """The check steps' reference rows run on the fastest exact kernel auto measured for the call's shape (auto_exact
+    learns it from auto's own timing), not on whatever PyTorch's SDPA picks; the gate reads the same error."""
+    exact = "t_exact"
+    pack_backend(A.Backend(name=exact, family="test", fn=_kernel(exact), constraints=(),
+                           probe=lambda: A.Availability(True, version="t"), accuracy="exact"))
+    kernels["error"] = lambda name, layer, sigma: 0.02 if name == GROW and layer == 2 else 0.0
+    times = {"sdpa": 2.0, GROW: 1.0, exact: 1.5}
+    sel = A.AutoSelector(timer=lambda name, fn, dev: (fn(), times[name])[1],
+                         exclude={n for n in A.REGISTRY.names() if n not in times})
+    cfg = A.AttentionConfig(backend="auto", auto=sel, check_finite="deferred")
+    ov = patch.AttentionOverride(cfg)
+    _run(ov, [10.0, 8.0, 6.0, 4.0, 2.0, 0.0])
+    assert set(sel.decisions.values()) == {GROW}
+    ran = [(sigma, layer) for name, sigma, layer, _ in kernels["ran"] if name == exact]
+    # the middle and last steps (6, 2): one reference per layer; none on the other steps after tuning
+    assert [r for r in ran if r[0] != 10.0] == [(6.0, 0), (6.0, 1), (6.0, 2), (2.0, 0), (2.0, 1), (2.0, 2)]
+    m = cfg.stats.as_dict()["metrics"]
+    assert abs(m[f"{GROW}@gate-mid.rel_l1_vs_dense"]["mean"] - 0.02 / 3) < 1e-4
+    assert exact not in cfg.stats.calls  # the reference is not a call of the model's
+
+
 def test_the_first_check_is_where_auto_first_runs(kernels):
     """With start_percent, the forwards before it run dense (no choice of auto's): the first check step is the first
     forward auto serves, every layer."""
