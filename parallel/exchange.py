@@ -13,6 +13,7 @@ mask over the tokens.  On CUDA the copies run on the rank's receive stream, the 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
@@ -31,7 +32,7 @@ class Layout:
     def local_len(self, rank: int) -> int:
         return self.prefix + self.shards[rank][1] + self.suffix
 
-    @property
+    @cached_property  # read several times per exchanged call (a frozen dataclass keeps it in its __dict__)
     def full_len(self) -> int:
         return self.prefix + sum(c for _, c in self.shards) + self.suffix
 
@@ -54,12 +55,16 @@ class Cut:
 
     def rows(self, t, rows: slice):
         """``t``'s tokens ``rows``, every head: a view."""
+        if self.tokens == 1:  # q, k, v and masks over keys as the kernel gets them (several views per exchanged call)
+            return t[:, rows]
         idx = [slice(None)] * t.ndim
         idx[self.tokens] = rows
         return t[tuple(idx)]
 
     def of(self, t, rows: slice, lo: int, hi: int):
         """``t``'s tokens ``rows`` of key/value heads ``lo`` to ``hi``: a view."""
+        if self.tokens == 1 and self.heads == 2:  # [B, L, H, D], the common case: no index list built
+            return t[:, rows, self.per * lo:self.per * hi]
         idx = [slice(None)] * t.ndim
         idx[self.tokens] = rows
         if self.heads is not None:
