@@ -394,6 +394,14 @@ def wan_graph():
     }
 
 
+# VAE Decode (several GPUs) in a note: what it does and its inputs at their defaults
+VAE_MULTI_NOTE = (
+    "VAE Decode (several GPUs) decodes the video on all the GPUs too, one tile each, with a copy of the VAE on each; "
+    "the frames are ComfyUI's tiled decode with those tiles, bit for bit.\n"
+    "- gpus 0: all of them.\n"
+    "- tile_size 0: one tile of one size per GPU (a number: square tiles of that many pixels, as VAE Decode (Tiled) "
+    "makes them)."
+)
 CP_NOTE = (
     "Context Parallel (multi-GPU): each sampling step runs on all the GPUs of this machine; on one GPU it does nothing "
     "and the terminal says so. It copies the model to every GPU, so the model must fit on one.\n"
@@ -402,12 +410,7 @@ CP_NOTE = (
     "sage_fp8_sm90; at CFG 1 (a distilled LoRA) the split step ran x1.87-1.89 (14B, 480p; x1.81-1.86 on 2x H200) "
     "and x1.93-1.94 (14B, 720p); Wan 1.3B x1.8 with sage_fp8_sm90 or auto (x1.6-1.8 on 2x H200), held back by the "
     "CPU, x1.88 with auto_exact. Images and clips shorter than 16,384 tokens stay on one GPU, where they ran faster. "
-    "Needs ComfyUI 0.33 or later.\n\n"
-    "VAE Decode (several GPUs) decodes the video on all the GPUs too, one tile each, with a copy of the VAE on each; "
-    "the frames are ComfyUI's tiled decode with those tiles, bit for bit.\n"
-    "- gpus 0: all of them.\n"
-    "- tile_size 0: one tile of one size per GPU (a number: square tiles of that many pixels, as VAE Decode (Tiled) "
-    "makes them)."
+    "Needs ComfyUI 0.33 or later.\n\n" + VAE_MULTI_NOTE
 )
 
 
@@ -440,7 +443,7 @@ WAN22_NOTE = (
     "Attention's kernels, put one before each Context Parallel node (the Wan 2.1 template on several GPUs shows how).\n"
     + inputs_note("ContextParallel", defaults("ContextParallel")) + "\n\nNot measured with these two models yet. "
     "Wan 2.1 14B, the size of each expert, ran x1.97 per step against one GPU at CFG 5 on 2x H100 (ComfyUI 0.33, 480p, "
-    "81 frames, random weights, auto_exact, a prompt per GPU). Needs ComfyUI 0.33 or later."
+    "81 frames, random weights, auto_exact, a prompt per GPU). Needs ComfyUI 0.33 or later.\n\n" + VAE_MULTI_NOTE
 )
 
 
@@ -464,7 +467,7 @@ def wan22_multigpu_graph():
         (14, "KSamplerAdvanced", {"add_noise": "enable", **ks, "start_at_step": 0, "end_at_step": 10,
                                   "return_with_leftover_noise": "enable"},
          {"model": (9, 0), "positive": (11, 0), "negative": (12, 0), "latent_image": (13, 0)}, 3),
-        (16, "VAEDecode", {}, {"samples": (15, 0), "vae": (4, 0)}, 3),
+        (16, "VAEDecodeMultiGPU", defaults("VAEDecodeMultiGPU"), {"samples": (15, 0), "vae": (4, 0)}, 3),
         (15, "KSamplerAdvanced", {"add_noise": "disable", **ks, "start_at_step": 10, "end_at_step": 10000,
                                   "return_with_leftover_noise": "disable"},
          {"model": (10, 0), "positive": (11, 0), "negative": (12, 0), "latent_image": (14, 0)}, 3),
