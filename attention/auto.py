@@ -320,7 +320,7 @@ class AutoSelector:
             self._load()
         sig = self.key(spec, cfg.sparse_ok)
         if sig in self.demoted:  # a lossy choice that failed its re-check: the fastest exact kernel for the run
-            exact = getattr(cfg, "exact", None)
+            exact = getattr(cfg, "exact_selector", None)
             if exact is not None and exact is not self:
                 return exact.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)
             return REFERENCE
@@ -338,7 +338,7 @@ class AutoSelector:
         cfg.stats.decisions[sig] = describe(name, report, took)
         log.info("%s %s -> %s (tuned in %.0f ms)", self.label, sig, name, took)
         self._save()
-        exact = getattr(cfg, "exact", None)
+        exact = getattr(cfg, "exact_selector", None)
         if exact is not None and exact is not self:
             exact.learn(spec, report)
         return name
@@ -479,6 +479,6 @@ def select(cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
 
 def select_exact(cfg, q4, k4, v4, layout, mask4, spec, scale) -> str:
     """auto_exact's choice for the call: the fastest exact kernel for its signature (tuned on the first such call)."""
-    if cfg.exact is None:
-        cfg.exact = AutoSelector.exact()
-    return cfg.exact.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)
+    if cfg.exact_selector is None:
+        cfg.exact_selector = AutoSelector.exact()
+    return cfg.exact_selector.choose(cfg, q4, k4, v4, layout, mask4, spec, scale)

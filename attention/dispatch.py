@@ -66,7 +66,7 @@ class AttentionConfig:
 
     backend: a registry name, ``"auto"``, ``"auto_fast"`` or ``"auto_exact"``.
     fallbacks: names tried, in order, when ``backend`` cannot take a call; then the fastest exact kernel for the call
-        (with an exact selector, ``exact``); SDPA ends every chain.
+        (with an exact selector, ``exact_selector``); SDPA ends every chain.
     allow_fallback: ``False`` raises :class:`BackendUnavailableError` instead of falling back.
     options: per-backend options, e.g. ``{"sparge": {"cdfthreshd": 0.97}}``.
     record_time: time each call per backend (CUDA events, read lazily).
@@ -88,7 +88,7 @@ class AttentionConfig:
     auto: object = None  # an attention.auto.AutoSelector; created on first "auto" call
     # an AutoSelector.exact(): auto_exact's choices; with one, a call that falls back goes to the fastest exact kernel
     # for its shape before SDPA (created on the first "auto_exact" call; the node layer gives every patch one)
-    exact: object = None
+    exact_selector: object = None
     in_forward: bool = False  # set by the caller around a model forward whose deferred checks it reads
     sparse_ok: bool = True  # auto may choose sparse kernels (the caller clears it before its sparse schedule starts)
     # per config, never copied by dataclasses.replace (a config made from another starts with its own):
@@ -141,7 +141,7 @@ class AttentionConfig:
         (``pick_exact()``, asked only once ``first`` and the fallbacks could not take it) before SDPA."""
         seen = set()
         for n in self.chain(first):
-            if n == REFERENCE and n != first and self.exact is not None:
+            if n == REFERENCE and n != first and self.exact_selector is not None:
                 x = pick_exact()
                 if x not in seen:
                     seen.add(x)

@@ -24,7 +24,7 @@ class Lane:
         self.config = config
         # the calls Patch Attention leaves dense: the fastest exact kernel for their shape (this lane's exact selector,
         # shared with the config's fallbacks); PyTorch's SDPA where there is none (ComfyUI's own function is chosen)
-        self.dense = AttentionConfig(backend=AUTO_EXACT if config.exact is not None else REFERENCE, exact=config.exact,
+        self.dense = AttentionConfig(backend=AUTO_EXACT if config.exact_selector is not None else REFERENCE, exact_selector=config.exact_selector,
                                      stats=config.stats, check_finite=False)
         self.calls = config.stats.calls  # the Counter itself (reset clears it in place): one lookup on the hot path
         self.device = device
@@ -107,7 +107,7 @@ class Lanes:
         def own(sel):  # what auto refused stays shared by the lanes (``refused``: the same dict)
             return sel and dataclasses.replace(sel, decisions={}, reports={}, demoted={}, tune_ms=0.0, _loaded=False)
 
-        return dataclasses.replace(base, stats=Stats(), auto=own(base.auto), exact=own(base.exact), in_forward=False,
+        return dataclasses.replace(base, stats=Stats(), auto=own(base.auto), exact_selector=own(base.exact_selector), in_forward=False,
                                    check_finite=self.check_finite)
 
     def all(self) -> list[Lane]:

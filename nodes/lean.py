@@ -86,7 +86,7 @@ def _chosen(cfg, q, k, v, heads, sr):
     """The backend the full path chose for this shape: the explicit one, or auto's (auto_exact's) decision while it
     stands (None: none, or one the selector no longer uses)."""
     name = cfg.backend
-    sel = cfg.auto if name in (AUTO, AUTO_FAST) else cfg.exact if name == AUTO_EXACT else None
+    sel = cfg.auto if name in (AUTO, AUTO_FAST) else cfg.exact_selector if name == AUTO_EXACT else None
     if sel is None:
         return name
     sig = sel.key(calls.prepare(q, k, v, heads, None, sr)[4], cfg.sparse_ok)
@@ -109,7 +109,7 @@ def _declined(ov, ln, func, q, k, v, heads, sr, sor, k_smoothed, name=None, refu
     route = ov.choice.route(ln, func, q, k, DECLINED)
     if route == PREVIOUS:
         return _to_previous(ln.config.stats, ov.choice.previous, name, refused)
-    sel = ln.dense.exact
+    sel = ln.dense.exact_selector
     if route != EXACT or sel is None:
         return None
     ex = sel.decisions.get(sel.key(calls.prepare(q, k, v, heads, None, sr)[4]))

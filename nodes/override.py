@@ -80,8 +80,8 @@ class AttentionOverride:
         self.nan_net = bool(config.check_finite)
         self.hides_nan = None  # the model's code sanitizes NaN (decided at its first forward)
         # dense calls on the fastest exact kernel per shape (`sdpa` chosen keeps ComfyUI's own function)
-        if config.exact is None and config.backend != COMFYUI_OWN:
-            config.exact = AutoSelector.exact()
+        if config.exact_selector is None and config.backend != COMFYUI_OWN:
+            config.exact_selector = AutoSelector.exact()
         # compiled models subtract K's mean in their graph for a backend that declares it (see attention.op)
         self.smooth_k = chosen is not None and chosen.smooth_k
         self.op_handle = op.handle_tensor(op.register(self))  # what a compiled graph reads at every call (attention.op)

@@ -153,7 +153,7 @@ def patch_model(
         record_time=log_stats if record_time is None else record_time,
         check_finite="deferred" if check_finite else False,
         auto=auto,
-        exact=exact,
+        exact_selector=exact,
     )
     sigma_range = None
     if start_percent > 0.0 or end_percent < 1.0:

@@ -168,7 +168,7 @@ def probe(ln, layer, q, k, v, heads, mask, kw, out) -> None:
     name = auto.decisions.get(sig)
     if name is None or not REGISTRY.get(name).quantized:
         return
-    ex = ln.dense.exact  # the reference on the fastest exact kernel for the call's shape, where one was measured
+    ex = ln.dense.exact_selector  # the reference on the fastest exact kernel for the call's shape, where one was measured
     ref = ex.decisions.get(ex.key(spec)) if ex is not None else None
     ln.probes.append(Probe(sig, name, layer, error_sums(out, q, k, v, heads, mask, offset=ln.check_round,
                                                        reference=ref, **kw)))

@@ -97,7 +97,7 @@ def _forwards(ov, func, sigmas, layers=1, call_kw=None, qkv=None):
 
 def test_auto_exact_times_only_exact_kernels_and_keeps_the_fastest(kernels):
     calls = []
-    cfg = A.AttentionConfig(backend="auto_exact", exact=_exact(calls))
+    cfg = A.AttentionConfig(backend="auto_exact", exact_selector=_exact(calls))
     q, k, v = _qkv()
     out = A.attention(q, k, v, 2, config=cfg)
     assert sorted(n for n, _ in calls) == ["sdpa", FAST]  # the 8-bit and sparse kernels are not even timed
@@ -111,7 +111,7 @@ def test_auto_exact_times_only_exact_kernels_and_keeps_the_fastest(kernels):
     # class's bound, however fast it is
     A.REGISTRY.get(FAST).fn = lambda q, k, v, *, layout, mask, scale, opts: (
         _sdpa(q, k, v, mask, scale) * (1 + 0.06 * torch.rand_like(q[..., :1])))
-    cfg = A.AttentionConfig(backend="auto_exact", exact=_exact([]))
+    cfg = A.AttentionConfig(backend="auto_exact", exact_selector=_exact([]))
     A.attention(q, k, v, 2, config=cfg)
     assert cfg.stats.calls == {"sdpa": 1} and f"{FAST}: failed gate" in next(iter(cfg.stats.decisions.values()))
 
@@ -126,7 +126,7 @@ def test_auto_exact_never_lowers_a_calls_precision(pack_backend):
         calls = []
         sel = A.AutoSelector.exact(timer=_timer(calls, {"sdpa": 2.0, "t_half": 1.0}),
                                    exclude=_others(keep=("sdpa", "t_half")))
-        cfg = A.AttentionConfig(backend="auto_exact", exact=sel)
+        cfg = A.AttentionConfig(backend="auto_exact", exact_selector=sel)
         A.attention(*(t.to(dtype) for t in _qkv()), 2, config=cfg)
         assert cfg.stats.calls == {want: 1}, dtype
         assert [n for n, _ in calls] == ([] if dtype == torch.float32 else ["sdpa", "t_half"])  # fp32: SDPA alone
@@ -143,7 +143,7 @@ def test_auto_exact_decisions_are_keyed_apart_from_autos(kernels, tmp_path):
     A.attention(q, k, v, 2, config=lossy)
     assert lossy.stats.calls == {LOSSY: 1} and not lossy.stats.decisions  # auto: its remembered choice, not tuned
     calls = []
-    exact = A.AttentionConfig(backend="auto_exact", exact=_exact(calls, cache_path=str(path)))
+    exact = A.AttentionConfig(backend="auto_exact", exact_selector=_exact(calls, cache_path=str(path)))
     A.attention(q, k, v, 2, config=exact)
     assert exact.stats.calls == {FAST: 1} and calls  # tuned: auto's decision is not one of auto_exact's
     saved = json.loads(path.read_text())[auto_mod.fingerprint()]
@@ -151,12 +151,12 @@ def test_auto_exact_decisions_are_keyed_apart_from_autos(kernels, tmp_path):
     # a lossy name under auto_exact's key (a file edited, or written by a bug) is not taken
     path.write_text(json.dumps({auto_mod.fingerprint(): {auto_mod.exact_signature(spec): LOSSY}}))
     calls.clear()
-    again = A.AttentionConfig(backend="auto_exact", exact=_exact(calls, cache_path=str(path)))
+    again = A.AttentionConfig(backend="auto_exact", exact_selector=_exact(calls, cache_path=str(path)))
     A.attention(q, k, v, 2, config=again)
     assert again.stats.calls == {FAST: 1} and calls
     # the next session: auto_exact's own decision, no timing; auto does not read it as one of its own
     calls.clear()
-    third = A.AttentionConfig(backend="auto_exact", exact=_exact(calls, cache_path=str(path)))
+    third = A.AttentionConfig(backend="auto_exact", exact_selector=_exact(calls, cache_path=str(path)))
     A.attention(q, k, v, 2, config=third)
     assert third.stats.calls == {FAST: 1} and not calls
     sel = A.AutoSelector(cache_path=str(path), exclude=_others())
@@ -187,7 +187,7 @@ def test_what_is_timed_is_what_runs_and_sdpa_is_never_comfyuis_function(kernels,
         sel = A.AutoSelector(timer=timer, exclude=_others()) if backend == "auto" else \
             A.AutoSelector.exact(timer=timer, exclude=_others())
         cfg = A.AttentionConfig(backend=backend, check_finite="deferred",
-                                **({"auto": sel} if backend == "auto" else {"exact": sel}))
+                                **({"auto": sel} if backend == "auto" else {"exact_selector": sel}))
         ov = patch.AttentionOverride(cfg)
         func, host = host_attention_pytorch()
         _forwards(ov, func, (10.0,))
@@ -203,7 +203,7 @@ def test_auto_hands_its_exact_measurements_over_and_a_demoted_choice_runs_on_the
     sel = A.AutoSelector(timer=_timer(calls), exclude=_others())
     exact = A.AutoSelector.exact(timer=lambda *a: pytest.fail("auto_exact timed a kernel auto had timed"),
                                  exclude=_others())
-    cfg = A.AttentionConfig(backend="auto", auto=sel, exact=exact)
+    cfg = A.AttentionConfig(backend="auto", auto=sel, exact_selector=exact)
     q, k, v = _qkv(n=64)
     A.attention(q, k, v, 2, config=cfg)
     spec = A.calls.prepare(q, k, v, 2)[4]
@@ -241,7 +241,7 @@ def test_every_call_left_dense_runs_on_the_fastest_exact_kernel(kernels, reason)
     backend, ov_kw, layers, call_kw, n_dense = CASES[reason]
     calls = []
     auto = A.AutoSelector(timer=_timer(calls), exclude=_others()) if backend == "auto" else None
-    cfg = A.AttentionConfig(backend=backend, check_finite="deferred", auto=auto, exact=_exact(calls))
+    cfg = A.AttentionConfig(backend=backend, check_finite="deferred", auto=auto, exact_selector=_exact(calls))
     ov = patch.AttentionOverride(cfg, audit=False, **ov_kw)
     ov.hides_nan = False
     func, host = host_attention_pytorch()
@@ -263,7 +263,7 @@ def test_every_call_left_dense_runs_on_the_fastest_exact_kernel(kernels, reason)
 def test_dense_forwards_take_the_lean_path_after_their_first_call(kernels, monkeypatch):
     """No per-call cost that could run once per shape: the first call of a dense forward takes the full path (and the
     tuning), later dense forwards run the cached entry, as the kernel's forwards do."""
-    cfg = A.AttentionConfig(backend=LOSSY, check_finite="deferred", exact=_exact([]))
+    cfg = A.AttentionConfig(backend=LOSSY, check_finite="deferred", exact_selector=_exact([]))
     ov = patch.AttentionOverride(cfg, audit=False, sigma_range=(8.0, 0.0))
     full = []
     run = ov._run
@@ -281,7 +281,7 @@ def test_explicit_sdpa_stays_comfyuis_own_call_dense_calls_included(kernels):
     func, host = host_attention_pytorch()
     _forwards(ov, func, (10.0, 5.0), call_kw={})
     _forwards(ov, func, (10.0,), call_kw={"low_precision_attention": False})
-    assert len(host) == 3 and ov.stats.calls == {"comfyui": 3} and cfg.exact is None and not kernels
+    assert len(host) == 3 and ov.stats.calls == {"comfyui": 3} and cfg.exact_selector is None and not kernels
 
 
 def test_over_a_previous_override_it_serves_the_calls_declined_by_choice_and_never_those_that_must_be_exact(kernels):
@@ -293,13 +293,13 @@ def test_over_a_previous_override_it_serves_the_calls_declined_by_choice_and_nev
         prev.append(1)
         return func(q, k, v, heads, **kw)
 
-    cfg = A.AttentionConfig(backend=LOSSY, check_finite="deferred", exact=_exact([]))
+    cfg = A.AttentionConfig(backend=LOSSY, check_finite="deferred", exact_selector=_exact([]))
     ov = patch.AttentionOverride(cfg, audit=False, sigma_range=(8.0, 0.0), previous=previous)
     func, host = host_attention_pytorch()
     _forwards(ov, func, (10.0, 9.0, 5.0))
     _forwards(ov, func, (10.0, 5.0), call_kw={"low_precision_attention": False})
     assert len(prev) == 2 == len(host) and ov.stats.calls == {"previous override": 2, LOSSY: 1, FAST: 2}
-    refusing = patch.AttentionOverride(A.AttentionConfig(backend=LONG, check_finite="deferred", exact=_exact([])),
+    refusing = patch.AttentionOverride(A.AttentionConfig(backend=LONG, check_finite="deferred", exact_selector=_exact([])),
                                        audit=False, previous=previous)
     _forwards(refusing, func, (5.0, 4.0))
     assert refusing.stats.calls == {"previous override": 2} and len(prev) == 4
@@ -310,7 +310,7 @@ def test_each_sampling_thread_has_its_own_exact_selector(kernels):
     """Lanes: two threads sampling through one override each tune and keep their own exact choices (no shared dict
     written by two threads); the statistics are merged."""
     calls = []
-    cfg = A.AttentionConfig(backend=LOSSY, check_finite="deferred", exact=_exact(calls))
+    cfg = A.AttentionConfig(backend=LOSSY, check_finite="deferred", exact_selector=_exact(calls))
     ov = patch.AttentionOverride(cfg, audit=False, sigma_range=(8.0, 0.0))
     barrier, errors = threading.Barrier(2), []
 
@@ -329,9 +329,9 @@ def test_each_sampling_thread_has_its_own_exact_selector(kernels):
         t.join()
     assert not errors
     lanes = ov.lanes()
-    assert len(lanes) == 2 and lanes[0].config.exact is not lanes[1].config.exact
+    assert len(lanes) == 2 and lanes[0].config.exact_selector is not lanes[1].config.exact_selector
     for ln in lanes:
-        assert ln.dense.exact is ln.config.exact and list(ln.config.exact.decisions.values()) == [FAST]
+        assert ln.dense.exact_selector is ln.config.exact_selector and list(ln.config.exact_selector.decisions.values()) == [FAST]
     assert len({t for _, t in calls}) == 2 and len(calls) == 4  # sdpa and the stand-in, timed once in each thread
     assert ov.stats.calls == {FAST: 4, LOSSY: 2}
 
@@ -377,7 +377,7 @@ def test_auto_exact_and_dense_steps_in_real_sampling(comfy_pack):
     ref = sample(base)
     m = run_patch(mappings, base, "auto_exact")
     out = sample(m)
-    tuned = len(mod.nodes.patch.override_of(m).config.exact.decisions)  # call shapes: each timed once (and checked)
+    tuned = len(mod.nodes.patch.override_of(m).config.exact_selector.decisions)  # call shapes: each timed once (and checked)
     assert rel(out, ref) < 1e-4 and stats_of(mod, m).calls == {FAST: 8} and len(ran) == 8 + 2 * tuned
     # an explicit kernel: the steps outside its schedule run on the fastest exact kernel, not ComfyUI's function
     late = run_patch(mappings, base, "sdpa_math", start_percent=0.5)

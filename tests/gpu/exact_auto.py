@@ -93,7 +93,7 @@ def one_shape(name, shape, func):
     q = torch.randn(b, n, h * d, device=DEVICE, dtype=torch.bfloat16, generator=g)
     k, v = (torch.randn(b, nk, h * d, device=DEVICE, dtype=torch.bfloat16, generator=g) for _ in range(2))
     sel = A.AutoSelector.exact(retune=True)
-    cfg = A.AttentionConfig(backend="auto_exact", exact=sel, check_finite="deferred")
+    cfg = A.AttentionConfig(backend="auto_exact", exact_selector=sel, check_finite="deferred")
     ov = patch.AttentionOverride(cfg)
     topts = {"optimized_attention_override": ov}
     ov.lane().active = True  # as inside a model forward (the APPLY_MODEL wrapper sets it): the lean path after 1 call

@@ -104,7 +104,8 @@ def rows(P, func):
 
     def hook_row(backend, check="deferred", active=True, skip=False, previous=None):
         exact = A.AutoSelector.exact(exclude=exclude)
-        cfg = A.AttentionConfig(backend=backend, check_finite=check, exact=None if backend == "sdpa" else exact)
+        field = "exact_selector" if "exact_selector" in A.AttentionConfig.__dataclass_fields__ else "exact"  # earlier trees
+        cfg = A.AttentionConfig(backend=backend, check_finite=check, **{field: None if backend == "sdpa" else exact})
         ov = patch.AttentionOverride(cfg, audit=False, previous=previous)
         topts = {"optimized_attention_override": ov}
         args = (qh, kh, vh) if skip else (q, k, v)
