@@ -131,6 +131,8 @@
 #                  GPU, Context Parallel and ComfyUI's MultiGPU CFG Split (SOAK_GPUS, default 2) x CFG 1 and 5, the backend
 #                  changed between prompts; failed prompts (0 expected), host RSS and each GPU's memory (flat expected) in
 #                  soak.md and soak.json, ComfyUI's log in soak-server.log; fails on a failed prompt or growth
+#                  (ComfyUI's server imports SQLAlchemy and alembic, which the GPU machine lacks: carry their wheels,
+#                  with Mako and greenlet, in $CARRY)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
 #                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
 #                  on all: seconds (median of VAE_ROUNDS, default 3, after a warm-up), ratios, the largest difference of
