@@ -239,58 +239,6 @@ const [button, done] = [arguments[0], arguments[arguments.length - 1]];
 """
 
 
-CONTEXT_PARALLEL_NOTE = """
-const [first, later, done] = [arguments[0], arguments[1], arguments[arguments.length - 1]];
-(async () => {
-  try {
-    const app = window.app, api = window.comfyAPI.api.api;
-    if (app.clean) app.clean();
-    app.graph.clear();
-    const node = LiteGraph.createNode('ContextParallel');
-    node.pos = [200, 160];
-    app.graph.add(node);
-    app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0];
-    const box = () => document.querySelector('.pa-report[data-patch-attention-node="ContextParallel"]');
-    const size = [...node.size];
-    const seen = {};
-    const sendNote = async (text) => {  // as ComfyUI's server sends a node's ui text: its executed message
-      api.dispatchCustomEvent('executed', {node: String(node.id), display_node: String(node.id), output: {text: [text]},
-                                           prompt_id: 'p'});
-      app.graph.setDirtyCanvas(true, true);
-      await new Promise(r => setTimeout(r, 600));
-      const b = box();
-      const r = b.getBoundingClientRect();
-      return {text: b.querySelector('textarea').value, drawn: b.querySelector('.pa-report-view').innerText,
-              visible: b.offsetParent !== null, box: [r.left, r.top, r.width, r.height], node: [...node.size]};
-    };
-    seen.before = {box: !!box(), size};
-    seen.first = await sendNote(first);
-    seen.later = await sendNote(later);
-    done(seen);
-  } catch (e) { done({error: String(e) + ' ' + e.stack}); }
-})();
-"""
-
-
-def test_context_parallel_says_on_the_node_why_it_does_not_split(browser):
-    """Context Parallel's reason on the canvas: no box before the node has something to say (a template keeps its
-    layout), then the line the node returns on this machine (no CUDA GPU here, as tests/test_context_parallel.py
-    asserts for the Python side), drawn on the node and readable; a longer note sent while a prompt runs replaces it."""
-    first = "No CUDA GPU here: Context Parallel needs two or more."
-    later = first + "\nA sampling run of 14,040 tokens ran on one GPU: the split starts at 16,384 tokens."
-    res = browser.execute_async_script(CONTEXT_PARALLEL_NOTE, first, later)
-    assert "error" not in res, res.get("error")
-    assert res["before"]["box"] is False
-    for seen, text in ((res["first"], first), (res["later"], later)):
-        assert seen["text"] == text and seen["visible"], seen
-        assert "No CUDA GPU here" in seen["drawn"], seen
-        x, y, width, height = seen["box"]
-        assert width > 200 and height > 20, seen
-    assert res["later"]["node"][1] >= res["before"]["size"][1]  # the node grew to show it
-    browser.save_screenshot(os.path.join(shots(), "context-parallel-note.png"))
-    assert not pack_errors(browser)
-
-
 def test_a_report_s_text_is_there_to_copy(browser):
     """After the run above: the benchmark node's Text button shows the report's text (markdown, as the node returns
     it), selectable; its Copy button puts that text on the clipboard; Report shows the tables again."""
@@ -353,6 +301,58 @@ const [wf, done] = [arguments[0], arguments[arguments.length - 1]];
 
 def overlaps(a, b):
     return a[0] < b[0] + b[2] and b[0] < a[0] + a[2] and a[1] < b[1] + b[3] and b[1] < a[1] + a[3]
+
+
+CONTEXT_PARALLEL_NOTE = """
+const [first, later, done] = [arguments[0], arguments[1], arguments[arguments.length - 1]];
+(async () => {
+  try {
+    const app = window.app, api = window.comfyAPI.api.api;
+    if (app.clean) app.clean();
+    app.graph.clear();
+    const node = LiteGraph.createNode('ContextParallel');
+    node.pos = [200, 160];
+    app.graph.add(node);
+    app.canvas.ds.scale = 1; app.canvas.ds.offset = [0, 0];
+    const box = () => document.querySelector('.pa-report[data-patch-attention-node="ContextParallel"]');
+    const size = [...node.size];
+    const seen = {};
+    const sendNote = async (text) => {  // as ComfyUI's server sends a node's ui text: its executed message
+      api.dispatchCustomEvent('executed', {node: String(node.id), display_node: String(node.id), output: {text: [text]},
+                                           prompt_id: 'p'});
+      app.graph.setDirtyCanvas(true, true);
+      await new Promise(r => setTimeout(r, 600));
+      const b = box();
+      const r = b.getBoundingClientRect();
+      return {text: b.querySelector('textarea').value, drawn: b.querySelector('.pa-report-view').innerText,
+              visible: b.offsetParent !== null, box: [r.left, r.top, r.width, r.height], node: [...node.size]};
+    };
+    seen.before = {box: !!box(), size};
+    seen.first = await sendNote(first);
+    seen.later = await sendNote(later);
+    done(seen);
+  } catch (e) { done({error: String(e) + ' ' + e.stack}); }
+})();
+"""
+
+
+def test_context_parallel_says_on_the_node_why_it_does_not_split(browser):
+    """Context Parallel's reason on the canvas: no box before the node has something to say (a template keeps its
+    layout), then the line the node returns on this machine (no CUDA GPU here, as tests/test_context_parallel.py
+    asserts for the Python side), drawn on the node and readable; a longer note sent while a prompt runs replaces it."""
+    first = "No CUDA GPU here: Context Parallel needs two or more."
+    later = first + "\nA sampling run of 14,040 tokens ran on one GPU: the split starts at 16,384 tokens."
+    res = browser.execute_async_script(CONTEXT_PARALLEL_NOTE, first, later)
+    assert "error" not in res, res.get("error")
+    assert res["before"]["box"] is False
+    for seen, text in ((res["first"], first), (res["later"], later)):
+        assert seen["text"] == text and seen["visible"], seen
+        assert "No CUDA GPU here" in seen["drawn"], seen
+        x, y, width, height = seen["box"]
+        assert width > 200 and height > 20, seen
+    assert res["later"]["node"][1] >= res["before"]["size"][1]  # the node grew to show it
+    browser.save_screenshot(os.path.join(shots(), "context-parallel-note.png"))
+    assert not pack_errors(browser)
 
 
 @pytest.mark.parametrize("path", WORKFLOWS, ids=os.path.basename)
@@ -538,6 +538,8 @@ def test_templates_open_from_the_template_browser_at_their_saved_view(browser, p
     entry.click()
     time.sleep(1.5)
     card = browser.find_element(By.CSS_SELECTOR, f'[data-testid="template-workflow-{name}"]')
+    # scrolled to, as a user does (frontend 1.27 loads a card's picture once it is in view: seven cards do not fit)
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", card)
     # the card shows the thumbnail (512x512, tests/tools/make_workflows.py), fetched by the frontend
     for _ in range(20):
         pictures = browser.execute_script("return [...arguments[0].querySelectorAll('img')]"

@@ -281,8 +281,26 @@ function rankAliasesAsNames(defs) {
   }
 }
 
+// The frontend draws a node's progress text (ComfyUI's send_progress_text: the benchmark's plan and estimate) in a widget
+// of its own; frontend 1.27 saves that widget's text with the workflow, as if it were an input. On the pack's nodes it is
+// output, not a setting: it is left out of what is saved.
+const PROGRESS_TEXT_WIDGET = "$$node-text-preview";
+
+function unsavedProgressText(event) {
+  const node = app.graph?.getNodeById?.(event.detail?.nodeId) ?? app.graph?.getNodeById?.(Number(event.detail?.nodeId));
+  if (!node || !TEXT_NODES.includes(node.type)) return;
+  const widget = node.widgets?.find((w) => w.name === PROGRESS_TEXT_WIDGET);
+  if (!widget) return;
+  widget.serialize = false;
+  widget.options = { ...(widget.options ?? {}), serialize: false };
+}
+
 app.registerExtension({
   name: "PatchAttention",
+  setup() {
+    // after the frontend's own handler has made the widget (listeners run in the order they were added)
+    window.comfyAPI?.api?.api?.addEventListener?.("progress_text", (e) => setTimeout(() => unsavedProgressText(e), 0));
+  },
   loadedGraphNode(node) {
     renameSlots(node);
   },
