@@ -543,7 +543,7 @@ def _with_copies(m, n: int):
     register one (ComfyUI-GGUF's does not): for such a model this clone alone gets one that copies the loaded model."""
     copied = []
     if m.cached_patcher_init is None:
-        m.cached_patcher_init = (_copy_of_loaded, (m.model, m.load_device, m.offload_device, copied))
+        m.cached_patcher_init = (copy_of_loaded, (m.model, m.load_device, m.offload_device, copied))
     try:
         out = _deepclones(m, n)
     except CopyFailed as e:
@@ -568,7 +568,7 @@ def _deepclones(m, n: int):
     return comfy.multigpu.create_multigpu_deepclones(m, n, reuse_loaded=not leaked)
 
 
-def _copy_of_loaded(base, load_device, offload_device, copied=None, disable_dynamic=False):
+def copy_of_loaded(base, load_device, offload_device, copied=None, disable_dynamic=False):
     """A reload function for a model whose loader registers none: a patcher of a deep copy of ``base`` (the BaseModel)
     as it is when ComfyUI calls it.  ComfyUI unloads the model first (``deepclone_multigpu``), which takes the weight
     patches (LoRA, ...) off it; ComfyUI puts them on the copy as on the model."""

@@ -13,7 +13,7 @@ tiled decode on the VAE's device, and the log says why.
 
 The GPUs' copies of the VAE: ComfyUI's per-device deep clones where it has them (``ModelPatcher.deepclone_multigpu``,
 0.33+, through the loader's reload function, as Select VAE Device makes them; for a VAE whose loader registers none, a
-copy of the loaded VAE, as Context Parallel's ``_copy_of_loaded``), made once per VAE and device and kept while the
+copy of the loaded VAE, as Context Parallel's ``copy_of_loaded``), made once per VAE and device and kept while the
 VAE object lives (keyed weakly by it).  They are models of ComfyUI's memory management like the VAE itself: each decode
 loads the VAE and every copy with room for one tile asked on each GPU (``load_models_gpu``), and ComfyUI unloads them
 to its offload device when it needs the room (or on Unload Models), as it does the VAE.  Dropping a copy while ComfyUI
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from ..parallel.vae import TileRun, even_tiles, tiles
-from .context_parallel import CopyFailed, _copy_of_loaded
+from .context_parallel import CopyFailed, copy_of_loaded
 
 log = logging.getLogger("patch_attention.vae")
 
@@ -191,7 +191,7 @@ def _copy(vae, device):
     if hasattr(src, "deepclone_multigpu"):  # ComfyUI 0.33+
         if src.cached_patcher_init is None:
             src = src.clone()
-            src.cached_patcher_init = (_copy_of_loaded, (vae.patcher.model, vae.patcher.load_device,
+            src.cached_patcher_init = (copy_of_loaded, (vae.patcher.model, vae.patcher.load_device,
                                                          vae.patcher.offload_device))
         try:
             p = src.deepclone_multigpu(new_load_device=device)
@@ -199,7 +199,7 @@ def _copy(vae, device):
             raise CopyFailed(f"ComfyUI could not copy the VAE for {device} ({e})") from e
     else:  # before 0.33: as its deep clones, the VAE unloaded (its weights as loaded from the file), then copied
         _unload(src)
-        p = _copy_of_loaded(vae.patcher.model, device, vae.patcher.offload_device)
+        p = copy_of_loaded(vae.patcher.model, device, vae.patcher.offload_device)
     dtype = next(vae.first_stage_model.parameters()).dtype
     if next(p.model.parameters()).dtype != dtype:
         raise CopyFailed(f"the VAE's copy for {device} loads in {next(p.model.parameters()).dtype}, the VAE runs in "
