@@ -58,12 +58,9 @@ def tiles(samples: torch.Tensor, tile: Sequence[int], overlap: Sequence[int]) ->
         if all(shape[d] <= tile[d] for d in range(dims)):
             out.append(s)
             continue
-        positions = [range(0, shape[d] - overlap[d], tile[d] - overlap[d]) if shape[d] > tile[d] else [0]
-                     for d in range(dims)]
-        for it in itertools.product(*positions):
+        for it in itertools.product(*(tiles_along(shape[d], tile[d], overlap[d]) for d in range(dims))):
             view = s
-            for d in range(dims):
-                pos = max(0, min(shape[d] - overlap[d], it[d]))
+            for d, pos in enumerate(it):
                 view = view.narrow(d + 2, pos, min(tile[d], shape[d] - pos))
             out.append(view)
     return out
