@@ -62,6 +62,8 @@ def _arguments() -> argparse.ArgumentParser:
     ap.add_argument("--rows", default="", help="comma-separated rows (default: every usable backend, auto and peers)")
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=1, help="time every row this many times, in turn")
+    ap.add_argument("--cfg", type=float, help="the guidance scale (default the preset's; 1: one prompt per step, no "
+                    "CFG batch)")
     ap.add_argument("--stat", choices=("median", "min"), default="median",
                     help="s/step over the rounds: median, or min (host-bound presets on a shared machine)")
     ap.add_argument("--compile", action="store_true", help="also run every row under torch.compile (inductor)")
@@ -139,7 +141,7 @@ def main(argv=None):
     rows = [r.strip() for r in a.rows.split(",") if r.strip()] or _measure(pack, "rows").default_rows(peers=not a.no_peers)
     modes = [True] if a.compile_only else [False, True] if a.compile else [False]
     results = []
-    descs = {p: (STANDIN_PRESETS.get(p) or presets_.MODEL_PRESETS[p]).description for p in presets}
+    descs = {p: _with_cfg((STANDIN_PRESETS.get(p) or presets_.MODEL_PRESETS[p]).description, a.cfg) for p in presets}
     meta = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": datetime.date.today().isoformat(),
             "steps": a.steps, "rounds": a.rounds, "stat": a.stat, "presets": descs}
     header = _header(meta, a, all(p in STANDIN_PRESETS for p in presets))
@@ -150,6 +152,9 @@ def main(argv=None):
         else:
             job = presets_.build_preset(preset, dynamic=a.dynamic_vram)
         job.steps = a.steps
+        if a.cfg is not None:
+            job.cfg = a.cfg
+            meta["cfg"] = a.cfg
         decode = job.extra.get("vae_decode")
         finals = {} if decode is not None and a.json else None  # each row's final latent, for the frames picture
         for compile in modes:
@@ -181,6 +186,15 @@ def _let_core_nodes_import():
     finally:
         sys.path.remove(tests)
     sys.meta_path.insert(0, AbsentPackage("av"))
+
+
+def _with_cfg(description: str, cfg: float | None) -> str:
+    """A preset's description with the guidance scale ``cfg`` given on the command line (None: the preset's own)."""
+    if cfg is None:
+        return description
+    if cfg == 1:
+        return description.replace(", CFG batch", "") + ", CFG 1 (one prompt per step)"
+    return f"{description}, CFG {cfg:g}"
 
 
 def _measure(pack, name: str):

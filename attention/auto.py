@@ -13,7 +13,7 @@ torch and kernel versions, so a second session does not tune again.
   stand-in with trained attention (docs/quality.md, H100) this is the gate :mod:`.calibrate` proposes for a final
   output within 3 dB of the exact kernels' (it proposes cos >= 0.99894, rel-L1 <= 0.0389: the same settings pass).
   A lossy choice is judged where it runs, not only on the call it was timed on: the node layer
-  (``nodes.recheck``) compares every call it serves (every layer, on 1,024 query rows each) with dense attention at
+  (``nodes.recheck``) compares every call it serves (every layer, on 512 query rows each) with dense attention at
   the run's check steps -- the first forward it serves in each run, the first of the sparse phase, the middle and the
   last step; nothing is compared between them -- and reads those errors back with the one device read each forward
   makes anyway (the NaN net's).  A choice beyond the gate on

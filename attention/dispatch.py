@@ -368,7 +368,7 @@ def error_vs_reference(out, q, k, v, heads, mask=None, *, skip_reshape=False, sk
     return accuracy(out, ref)
 
 
-CHECK_ROWS = 1024  # query rows an accuracy check recomputes (spread evenly over the call; all rows of a shorter call)
+CHECK_ROWS = 512  # query rows an accuracy check recomputes (spread evenly over the call; all rows of a shorter call)
 
 
 def error_sums(out, q, k, v, heads, mask=None, *, rows: int = CHECK_ROWS, offset: int = 0, skip_reshape=False,
@@ -376,7 +376,7 @@ def error_sums(out, q, k, v, heads, mask=None, *, rows: int = CHECK_ROWS, offset
     """The accuracy sums (:func:`reference.accuracy_sums`, a [5] fp64 device tensor: nothing is read back) of ``out``
     (what :func:`attention` returned for this call) against SDPA in the call's dtype, on ``rows`` query rows spread
     evenly over the call from ``offset`` (modulo the spacing; every row where the call has fewer). Attention is per
-    query row, so those rows' reference needs only them and every key: 1/32 of a dense call at 32,760 tokens.
+    query row, so those rows' reference needs only them and every key: 1/64 of a dense call at 32,760 tokens.
     ``reference``: an exact backend to compute it with where it takes the rows' call (no mask; the fastest exact kernel
     for the call's shape, which PyTorch's own SDPA choice may not be: its flash kernel took 1.6x cuDNN's time on
     Wan's self-attention on an H200), else PyTorch's SDPA."""

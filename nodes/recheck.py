@@ -8,8 +8,9 @@ lossy choices over the run.
   first forward it serves (after ``start_percent``), the first of the sparse phase (``sparse_start_percent``), the
   middle and the last step --
   every call ``auto`` serves with a lossy kernel (every layer, every signature in the phase it runs in) is compared
-  with dense attention in the call's dtype on 1,024 of its query rows, spread over the call (``dispatch.error_sums``:
-  about 1/32 of a dense call at 32,760 tokens, on the fastest exact kernel measured for the call's shape).  :func:`probe` leaves the comparison's five sums on the device; the forward's end
+  with dense attention in the call's dtype on 512 of its query rows, spread over the call (``dispatch.error_sums``:
+  about 1/64 of a dense call at 32,760 tokens, on the fastest exact kernel measured for the call's shape).
+  :func:`probe` leaves the comparison's five sums on the device; the forward's end
   reads them in the one device read it makes anyway (the NaN net's flag, :mod:`.nan_net`), and :func:`judge` applies
   the gate.  A choice beyond it on any call is refused for its signature from then on, in every lane
   (``AutoSelector.refuse``), and the forward is computed again without it.  No call waits for the device, and the

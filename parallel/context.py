@@ -163,7 +163,12 @@ class RankContext:
                 if sfx:
                     copy(out.narrow(dim, shape[dim] - sfx, sfx), t.narrow(dim, local - sfx, sfx))
 
-        self.group.exchange(self.rank, (t,), fill)
+        def like(peer, i=0):  # a peer's shard: its tokens (and the ends)
+            peer_shape = list(t.shape)
+            peer_shape[dim] = p + lay.shards[peer][1] + sfx
+            return peer_shape
+
+        self.group.exchange(self.rank, (t,), fill, like)
         return out
 
     def any(self, flag: bool) -> bool:
@@ -174,7 +179,9 @@ class RankContext:
         """Every rank's ``items`` together, in rank order, without repeats."""
         out = []
         for part in self.group.gather_objects(self.rank, list(items)):
-            out += [x for x in part if x not in out]
+            for x in part:
+                if x not in out:
+                    out.append(x)
         return out
 
     # ------------------------------------------------------------------ attention

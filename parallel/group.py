@@ -89,9 +89,11 @@ class Group:
         """Every rank's ``obj`` (plain Python values: flags, layer lists), in rank order."""
         return list(self._post(rank, obj))
 
-    def post(self, rank: int, tensors: tuple) -> list:
+    def post(self, rank: int, tensors: tuple, like=None) -> list:
         """Post ``tensors`` (this rank's, on its device) and wait until every rank posted its own: every rank's posting,
-        by rank, for :meth:`puller`."""
+        by rank, for :meth:`puller`.  ``like(peer, i)``: the shape of ``peer``'s ``tensors[i]``
+        (here every rank sees the others' tensors themselves; ranks in processes of their own receive copies of them
+        and need it: :class:`~.dist.ProcessGroupRanks`)."""
         device = self.devices[rank]
         if device.type != "cuda":
             return list(self._post(rank, (tuple(tensors), None, None)))
@@ -123,11 +125,11 @@ class Group:
         return streams[rank]
 
     @torch.compiler.disable  # a rendezvous of threads and copies between devices: run as it is, never traced
-    def exchange(self, rank: int, tensors: tuple, fill) -> None:
+    def exchange(self, rank: int, tensors: tuple, fill, like=None) -> None:
         """Post ``tensors`` (this rank's, on its device) and, once all ranks have, call ``fill(peer, peer_tensors,
         copy)`` for every rank ``peer`` (this one included): ``copy(dst, src)`` copies a peer's tensor (or a view of it)
-        into ``dst`` on this rank's device; this rank's current stream waits for it."""
-        posted = self.post(rank, tensors)
+        into ``dst`` on this rank's device; this rank's current stream waits for it.  ``like``: as for :meth:`post`."""
+        posted = self.post(rank, tensors, like)
         for peer in range(self.size):
             fill(peer, posted[peer][0], self.puller(rank, peer, posted))
 

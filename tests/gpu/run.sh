@@ -73,7 +73,7 @@
 #                  (PRESET, STEPS, ROWS and E2E_LIMIT override; e2e-exact-720p: Wan 1.3B 720p/81f, 2 steps, the exact rows)
 #   e2e-auto       the default auto on real sizes: Wan 2.1 1.3B 480p/81f, CFG 1, 8 steps, 2 rounds, whole runs, one
 #                  step between auto's check steps profiled: unpatched, sage_fp8_sm90, sdpa_cudnn, auto_exact, auto,
-#                  auto_fast (rows not usable here are left out; PRESET, STEPS, ROUNDS, ROWS and PROFILE_STEP override)
+#                  auto_fast (rows not usable here are left out; PRESET, CFG, STEPS, ROUNDS, ROWS and PROFILE_STEP override)
 #   e2e-exact-image  Flux-dev and SDXL, 6 steps: unpatched, sdpa, sdpa_cudnn, flash_attn4, auto_exact, auto
 #   multigpu       several GPUs (tests/gpu/multigpu.py): context parallelism and MultiGPU CFG Split against the same
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
@@ -314,7 +314,7 @@ stage_e2e-exact() {
     --rows "$(avail_rows "${ROWS:-unpatched,sdpa_cudnn,flash_attn4,auto_exact,auto,kitchen_sol,sparge}")"
 }
 stage_e2e-auto() {
-  e2e e2e-auto "${E2E_LIMIT:-560}" --preset "${PRESET:-wan-1.3b}" --steps "${STEPS:-8}" --rounds "${ROUNDS:-2}" \
+  e2e e2e-auto "${E2E_LIMIT:-560}" --preset "${PRESET:-wan-1.3b}" --cfg "${CFG:-1}" --steps "${STEPS:-8}" --rounds "${ROUNDS:-2}" \
     --profile --profile-step "${PROFILE_STEP:-3}" \
     --rows "$(avail_rows "${ROWS:-unpatched,sage_fp8_sm90,sdpa_cudnn,auto_exact,auto,auto_fast}")"
 }

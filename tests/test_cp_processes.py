@@ -1,0 +1,103 @@
+"""Ranks in processes of their own (parallel/dist.py ProcessGroupRanks over torch.distributed, gloo on the CPU), 2, 3
+and 4 of them: the exchanged attention call (text held whole before and after the split part, grouped key/value heads
+that do not divide over the ranks, a key mask), a tensor made whole from every rank's shard and the flags every rank
+takes the same way give what one process gives (fp64 whole attention, the thread ranks of parallel/group.py), bit for
+bit where the arithmetic is the same."""
+
+from __future__ import annotations
+
+import importlib
+import os
+import sys
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def _modules():
+    sys.path.insert(0, HERE)
+    from pack import load
+
+    p = load()
+    return (importlib.import_module(p.__name__ + ".parallel.group"), importlib.import_module(p.__name__ + ".parallel.dist"),
+            importlib.import_module(p.__name__ + ".parallel.context"))
+
+
+def _inputs(n):
+    """fp64 q, k, v over the whole sequence, a key mask over it, and the layout's numbers."""
+    from test_context_parallel import rand_qkv
+
+    g = torch.Generator().manual_seed(100 + n)
+    b, heads, kv_heads, d, tokens, prefix, suffix = 2, 6, 3, 8, 41, 5, 3
+    L = prefix + tokens + suffix
+    q, k, v = rand_qkv(g, b, L, heads, kv_heads, d, d + 2)
+    key_mask = -3 * torch.rand(b, 1, L, generator=g, dtype=torch.float64)
+    return q, k, v, key_mask, tokens, prefix, suffix
+
+
+def _rank_results(group, r, n):
+    """What rank ``r`` of a group computes: the exchanged call with and without a key mask, a whole tensor, flags."""
+    from test_context_parallel import rank_rows, whole
+
+    G, D, C = _modules()
+    q, k, v, key_mask, tokens, prefix, suffix = _inputs(n)
+    ctx = C.RankContext(group, r, None)
+    assert ctx.start(tokens, others={7}, prefix=prefix, suffix=suffix)
+    lay = ctx.layout
+    mine = [rank_rows(t, lay, r) for t in (q, k, v)]
+
+    def kernel(qf, kf, vf, mask=None):
+        return whole(qf, kf, vf, None if mask is None else mask.unsqueeze(-2) if mask.ndim == 3 else mask)
+
+    plain = ctx.attention(*mine, kernel)
+    masked = ctx.attention(*mine, kernel, mask=rank_rows(key_mask, lay, r, dim=-1))
+    made_whole = ctx.whole(mine[2])
+    return {"plain": plain, "masked": masked, "whole": made_whole, "any": ctx.any(r == n - 1), "union": ctx.union([r, 0]),
+            "ref_plain": rank_rows(whole(q, k, v), lay, r),
+            "ref_masked": rank_rows(whole(q, k, v, key_mask.unsqueeze(-2)), lay, r)}
+
+
+def _process_rank(r, n, store_path, out_dir):
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store_path, n), rank=r, world_size=n)
+    try:
+        G, D, C = _modules()
+        res = _rank_results(D.ProcessGroupRanks(dist.group.WORLD, "cpu"), r, n)
+        torch.save(res, os.path.join(out_dir, f"rank{r}.pt"))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_ranks_in_processes_give_what_ranks_in_threads_give(n, tmp_path):
+    from test_context_parallel import run_ranks
+
+    G, D, C = _modules()
+    mp.start_processes(_process_rank, args=(n, str(tmp_path / "store"), str(tmp_path)), nprocs=n, start_method="spawn")
+    group = G.Group(["cpu"] * n)
+    threads, errs = run_ranks(n, lambda r: _rank_results(group, r, n))
+    assert not any(errs), errs
+    q, k, v, *_ = _inputs(n)
+    for r in range(n):
+        got = torch.load(tmp_path / f"rank{r}.pt")
+        for name in ("plain", "masked"):
+            torch.testing.assert_close(got[name], got["ref_" + name], rtol=1e-12, atol=1e-12)
+            assert torch.equal(got[name], threads[r][name]), (r, name)
+        assert torch.equal(got["whole"], v), r  # v's whole sequence, from every rank's shard
+        assert got["any"] is True and got["union"] == [0, *range(1, n)]
+
+
+def test_a_post_from_another_rank_is_refused(tmp_path):
+    G, D, C = _modules()
+    dist.init_process_group("gloo", store=dist.FileStore(str(tmp_path / "store"), 1), rank=0, world_size=1)
+    try:
+        group = D.ProcessGroupRanks(dist.group.WORLD, "cpu")
+        with pytest.raises(ValueError, match="rank 1 posted in the process of rank 0"):
+            group.post(1, (torch.zeros(2),))
+        assert group.post(0, (torch.ones(2),))[0][0][0].sum() == 2  # one rank: its own tensors, nothing sent
+    finally:
+        dist.destroy_process_group()
