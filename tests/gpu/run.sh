@@ -83,7 +83,7 @@
 #                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
 #   multigpu-procs the node's threads against one process per GPU (tests/gpu/multigpu_procs.py), every forward split,
 #                  each against one GPU in the same design: PROCS_PRESET (default flux-dev), PROCS_BACKENDS (default
-#                  unpatched,sage_fp8_sm90), PROCS_STEPS, PROCS_ROUNDS, PROCS_LIMIT (seconds for each half)
+#                  unpatched,sage_fp8_sm90), PROCS_CFG (default 1), PROCS_STEPS, PROCS_ROUNDS, PROCS_LIMIT (seconds for each half)
 #   multigpu-wan14 Wan 2.1 14B at CFG 1, 720p then 480p: auto_exact and sage_fp8_sm90 on one GPU and split (Sage also
 #                  with the exchange not overlapped, cp@1, and in 4 parts, cp@4)
 #   multigpu-table the table of docs/multi-gpu.md in one call (~8 min): Wan 14B 480p and 720p at CFG 1 (also one GPU on
@@ -416,10 +416,10 @@ stage_multigpu-procs() {  # threads (the node today) against a process per GPU, 
   local p=${PROCS_PRESET:-flux-dev} b=${PROCS_BACKENDS:-unpatched,sage_fp8_sm90}
   local rows=() prows=() x
   for x in ${b//,/ }; do rows+=("1:$x" "cp:$x"); prows+=("1:$x" "procs:$x"); done
-  MG_PRESET=$p MG_STEPS=${PROCS_STEPS:-4} MG_MIN_TOKENS=0 MG_LIMIT=${PROCS_LIMIT:-240} MG_ROUNDS=${PROCS_ROUNDS:-2} \
+  MG_PRESET=$p MG_CFG=${PROCS_CFG:-1} MG_STEPS=${PROCS_STEPS:-4} MG_MIN_TOKENS=0 MG_LIMIT=${PROCS_LIMIT:-240} MG_ROUNDS=${PROCS_ROUNDS:-2} \
     MG_ROWS=$(IFS=,; echo "${rows[*]}") stage_multigpu
   timeout "${PROCS_LIMIT:-240}" $PY tests/gpu/multigpu_procs.py --preset "$p" --steps "${PROCS_STEPS:-4}" \
-    --rounds "${PROCS_ROUNDS:-2}" --rows "$(IFS=,; echo "${prows[*]}")" \
+    --rounds "${PROCS_ROUNDS:-2}" --cfg "${PROCS_CFG:-1}" --rows "$(IFS=,; echo "${prows[*]}")" \
     --json "$OUT/procs-$p.json" --md "$OUT/procs-$p.md" 2>&1 | grep -v "it/s\]" | tail -n 30
   return $(( PIPESTATUS[0] != 0 ))
 }

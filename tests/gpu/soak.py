@@ -283,7 +283,7 @@ def serve(args: list) -> None:
 
     sys.path.insert(0, os.getcwd())
     sys.path.insert(1, os.path.dirname(HERE))  # tests/: comfyui_support
-    from comfyui_support import AbsentPackage
+    from absent import AbsentPackage  # torch is main.py's to import (it picks the CUDA allocator first)
 
     for name in ("av",):
         if importlib.util.find_spec(name) is None:
