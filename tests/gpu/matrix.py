@@ -151,8 +151,9 @@ def main():
     func = host_func(dev)
     names = [n for n in (a.backends.split(",") if a.backends else A.REGISTRY.names()) if A.REGISTRY.get(n).available]
     all_cases = list(cases(a.quick))
-    res = defaultdict(lambda: {"cases": 0, "ran_itself": 0, "routed": defaultdict(int), "violations": [], "worst": {}})
-    t0 = time.time()
+    res = defaultdict(lambda: {"cases": 0, "ran_itself": 0, "routed": defaultdict(int), "violations": [], "worst": {},
+                               "seconds": 0.0})
+    t0 = last_print = time.time()
     for c in all_cases:
         q, k, v, mask = inputs(c, dev)
         ref = A.dispatch.fp32_reference(q, k, v, c["h"], mask, skip_reshape=c["skip"], skip_output_reshape=c["skip"])
@@ -160,6 +161,7 @@ def main():
         for name in names:
             r = res[name]
             r["cases"] += 1
+            started = time.perf_counter()
             cfg = A.AttentionConfig(backend=name, check_finite="deferred",  # as the node: fallback on, NaN net on
                                     options={name: options[name]} if name in options else {})
             ov = P.nodes.patch.AttentionOverride(cfg, audit=False)
@@ -171,6 +173,8 @@ def main():
             except Exception as e:
                 r["violations"].append(f"{lab}: raised {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
                 continue
+            finally:
+                r["seconds"] += time.perf_counter() - started
             ran = next(iter(cfg.stats.calls))
             ran = "sdpa" if ran == P.nodes.hook.HOST else ran
             if ran == name:
@@ -186,6 +190,10 @@ def main():
                 if not w or verdict[1] > w["rel_l1"]:
                     r["worst"] = {"cos": verdict[0], "rel_l1": verdict[1], "case": lab}
         del q, k, v, mask, ref
+        if time.time() - last_print > 30:  # where a long run is (seconds per backend so far)
+            last_print = time.time()
+            print(f"case {all_cases.index(c) + 1} of {len(all_cases)}, {last_print - t0:.0f} s: "
+                  + ", ".join(f"{n} {r['seconds']:.1f}" for n, r in res.items()), flush=True)
     meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
             "versions": {n: A.REGISTRY.get(n).availability().version for n in names}, "cases": len(all_cases),
             "seconds": round(time.time() - t0, 1), "host_func": getattr(func, "__name__", None),
@@ -203,12 +211,13 @@ def main():
 def render(meta, res):
     lines = [f"GPU {meta['gpu']}, torch {meta['torch']}, {meta['date']}; {meta['cases']} cases per backend through "
              f"AttentionOverride (host function: {meta['host_func']}); reference fp32 attention; {meta['seconds']} s.", "",
-             "| backend | class | ran itself | routed elsewhere | violations | worst own rel-L1 (cos) | worst case |",
-             "|---|---|---|---|---|---|---|"]
+             "| backend | class | ran itself | routed elsewhere | violations | worst own rel-L1 (cos) | worst case | seconds |",
+             "|---|---|---|---|---|---|---|---|"]
     for n, r in res.items():
         w = r["worst"]
         lines.append(f"| {n} | {meta['classes'][n]} | {r['ran_itself']} | {sum(r['routed'].values())} | {len(r['violations'])} | "
-                     + (f"{w['rel_l1']:.4f} ({w['cos']:.5f}) | {w['case']} |" if w else "- | - |"))
+                     + (f"{w['rel_l1']:.4f} ({w['cos']:.5f}) | {w['case']} |" if w else "- | - |")
+                     + f" {r.get('seconds', 0):.1f} |")
     lines.append("")
     for n, r in res.items():
         for why, cnt in sorted(r["routed"].items(), key=lambda x: -x[1])[:6]:
