@@ -190,22 +190,34 @@ def main():
                 if not w or verdict[1] > w["rel_l1"]:
                     r["worst"] = {"cos": verdict[0], "rel_l1": verdict[1], "case": lab}
         del q, k, v, mask, ref
-        if time.time() - last_print > 30:  # where a long run is (seconds per backend so far)
+        if time.time() - last_print > 30:  # where a long run is (seconds per backend so far), saved as it stands
             last_print = time.time()
-            print(f"case {all_cases.index(c) + 1} of {len(all_cases)}, {last_print - t0:.0f} s: "
+            done = all_cases.index(c) + 1
+            print(f"case {done} of {len(all_cases)}, {last_print - t0:.0f} s: "
                   + ", ".join(f"{n} {r['seconds']:.1f}" for n, r in res.items()), flush=True)
-    meta = {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu", "torch": torch.__version__,
-            "versions": {n: A.REGISTRY.get(n).availability().version for n in names}, "cases": len(all_cases),
-            "seconds": round(time.time() - t0, 1), "host_func": getattr(func, "__name__", None),
+            save(a, _meta(names, done, t0, func, options, dev), res, final=False)
+    save(a, _meta(names, len(all_cases), t0, func, options, dev), res, final=True)
+    sys.exit(1 if any(r["violations"] for r in res.values()) else 0)
+
+
+def _meta(names, cases, t0, func, options, dev) -> dict:
+    return {"date": datetime.date.today().isoformat(), "gpu": torch.cuda.get_device_name() if dev.type == "cuda" else "cpu",
+            "torch": torch.__version__, "versions": {n: A.REGISTRY.get(n).availability().version for n in names},
+            "cases": cases, "seconds": round(time.time() - t0, 1), "host_func": getattr(func, "__name__", None),
             "classes": {n: A.REGISTRY.get(n).accuracy for n in names}, "options": options}
+
+
+def save(a, meta, res, final: bool) -> None:
+    """The results so far (``final``: all cases) as JSON (--out) and markdown (--md; printed when final): a run cut
+    short by its time limit keeps what it checked."""
     with open(a.out, "w") as f:
-        json.dump({"meta": meta, "results": res}, f, indent=1, default=dict)
+        json.dump({"meta": {**meta, "complete": final}, "results": res}, f, indent=1, default=dict)
     md = render(meta, res)
-    print(md)
+    if final:
+        print(md)
     if a.md:
         with open(a.md, "w") as f:
             f.write(md)
-    sys.exit(1 if any(r["violations"] for r in res.values()) else 0)
 
 
 def render(meta, res):
