@@ -16,8 +16,9 @@
 #   threads        tests/test_threads.py with CUDA present: no SDPA backend switches PyTorch's global SDPA state
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
 #                  (MATRIX_BACKENDS=a,b limits it; MATRIX_OPTIONS passes per-backend options; MATRIX_LIMIT seconds,
-#                  default 560: every backend took over 400 s on an H200, a backend that routes a call elsewhere times
-#                  the exact kernels for it first; a run cut short keeps the cases it checked)
+#                  default 560: every backend took over 400 s on an H200, most of it in kernels that plan or compile
+#                  per new shape: sdpa_cudnn, the Triton kernels of sage_triton and sparge*; a run cut short keeps the
+#                  cases it checked)
 #   matrix-sdpa    the matrix for the SDPA family (each kernel through its ATen op)
 #   matrix-kitchen the matrix for comfy-kitchen's backends, once per carried comfy-kitchen version (Sol-Attn with
 #                  min_tokens 128 so that it takes the matrix's calls)
