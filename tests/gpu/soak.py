@@ -17,7 +17,7 @@ After each prompt the state route gives the server's host RSS, each GPU's memory
 and the device's used memory), ComfyUI's loaded models (those whose patcher is gone: ComfyUI's "memory leak" entries)
 and how many "memory leak" warnings ComfyUI logged.  Expected: no failed prompt; memory flat after the first round
 (the last quarter of the prompts within --rss-tolerance / --gpu-tolerance MiB of the end of the first round), with
-ComfyUI's classic output cache (its default keeps every prompt's outputs while the host has RAM to spare).
+ComfyUI's LRU output cache (its default keeps every prompt's outputs while the host has RAM to spare).
 Results: DIR/soak.json (every prompt) and DIR/soak.md; exit status 1 on a failure or growth.
 
 ``--cpu --devices N``: ComfyUI in CPU mode sees N devices (the CPU and ``cpu:1`` ..., labels on the CPU, as the pack's CPU
@@ -43,6 +43,7 @@ HERE = os.path.dirname(os.path.realpath(__file__))  # this file, also where Comf
 ROOT = os.path.dirname(os.path.dirname(HERE))
 MODEL = "pa_soak_wan.safetensors"
 MODES = ("one", "cp", "cfg")  # one GPU, the pack's Context Parallel node, ComfyUI's MultiGPU CFG Split node
+LRU = 32  # node outputs ComfyUI's cache keeps (--cache-lru): more than one round of prompts' models and copies
 
 
 # ---------------------------------------------------------------- inside the server (loaded as a custom node)
@@ -144,9 +145,10 @@ def start(a, base: str, comfyui: str):
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--listen", "127.0.0.1", "--port", str(port),
            "--base-directory", base, "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
            # ComfyUI 0.33's default output cache keeps every prompt's outputs until the host runs short of RAM (a new
-           # seed each prompt: 8.4 MiB more per prompt, with or without this pack, measured); the classic cache keeps
-           # the last prompt's, so what stays is what the prompts leave
-           "--cache-classic"]
+           # seed each prompt: 8.4 MiB more per prompt, with or without this pack, measured); its LRU cache keeps the
+           # outputs of the last prompts (the models, the multi-GPU nodes' copies among them, as the default does), so
+           # what stays beyond them is what the prompts leave
+           "--cache-lru", str(LRU)]
     cmd += ["--cpu"] if a.cpu else []
     import importlib.util
 
