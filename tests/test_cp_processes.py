@@ -103,3 +103,27 @@ def test_a_post_from_another_rank_is_refused(tmp_path, monkeypatch):
         assert group.post(0, (torch.ones(2),))[0][0][0].sum() == 2  # one rank: its own tensors, nothing sent
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.comfyui
+def test_the_process_benchmark_splits_every_forward_and_matches_one_process(tmp_path):
+    """tests/gpu/multigpu_procs.py --cpu-check: two gloo processes, each with ComfyUI and a tiny Wan, every forward split,
+    the final latent one process's, bit for bit (unpatched and through Patch Attention)."""
+    import json
+    import subprocess
+
+    sys.path.insert(0, HERE)
+    import comfyui_support
+
+    path = comfyui_support.comfy()
+    out = tmp_path / "procs.json"
+    env = {**os.environ, "COMFYUI_PATH": path, "GLOO_SOCKET_IFNAME": "lo"}
+    run = subprocess.run([sys.executable, os.path.join(HERE, "gpu", "multigpu_procs.py"), "--cpu-check", "--rows",
+                          "1:unpatched,procs:unpatched,1:sdpa,procs:sdpa", "--json", str(out)],
+                         env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-4000:]
+    rows = {r["row"]: r for r in json.load(open(out))["rows"]}
+    for backend in ("unpatched", "sdpa"):
+        split = rows[f"procs:{backend}"]
+        assert split["forwards_split"] == 4 and split["forwards_whole"] == 0, split  # a warm-up step and 3 timed
+        assert split["rel_l1_vs_1gpu"] == 0, split
