@@ -61,7 +61,9 @@ class ProcessGroupRanks:
         rank's tensors, by rank, on this rank's device, once this rank's current stream reaches them."""
         self._mine(rank)
         tensors = tuple(tensors)
-        sends = [t.contiguous() for t in tensors]
+        if self.size == 1:
+            return [(tensors, None, None)]
+        sends = [t.contiguous() for t in tensors]  # on the current stream, which waits for the transfers (below)
         ops, posted = [], []
         for peer in range(self.size):
             if peer == rank:
