@@ -135,20 +135,23 @@ class Exchange:
     def pull(self, posted: list, bufs: list, cuts: tuple, lo: int, n: int) -> None:
         """Every rank's tokens of this rank's key/value heads ``lo`` to ``lo + n`` (from its first) into ``bufs``, the
         tokens held whole from this rank's own copy."""
-        lay, group, rank = self.layout, self.group, self.rank
+        for peer in range(self.group.size):
+            self.pull_from(peer, posted[peer][0], self.group.puller(self.rank, peer, posted, self.recv), bufs, cuts,
+                           lo, n)
+
+    def pull_from(self, peer: int, tensors: tuple, copy, bufs: list, cuts: tuple, lo: int, n: int) -> None:
+        """:meth:`pull` from one rank's posted ``tensors`` (this rank's own: with the tokens held whole)."""
+        lay = self.layout
         a = self.mine[0] + lo
-        for peer in range(group.size):
-            tensors = posted[peer][0]
-            copy = group.puller(rank, peer, posted, self.recv)
-            s0, sc = lay.shards[peer]
-            if sc:
-                rows, src = slice(lay.prefix + s0, lay.prefix + s0 + sc), slice(lay.prefix, lay.prefix + sc)
+        s0, sc = lay.shards[peer]
+        if sc:
+            rows, src = slice(lay.prefix + s0, lay.prefix + s0 + sc), slice(lay.prefix, lay.prefix + sc)
+            for buf, t, cut in zip(bufs, tensors, cuts):
+                copy(cut.rows(buf, rows), cut.of(t, src, a, a + n))
+        if peer == self.rank:
+            for dst, src in _ends(lay.prefix, lay.suffix, lay.full_len, lay.local_len(peer)):
                 for buf, t, cut in zip(bufs, tensors, cuts):
-                    copy(cut.rows(buf, rows), cut.of(t, src, a, a + n))
-            if peer == rank:
-                for dst, src in _ends(lay.prefix, lay.suffix, lay.full_len, lay.local_len(rank)):
-                    for buf, t, cut in zip(bufs, tensors, cuts):
-                        copy(cut.rows(buf, dst), cut.of(t, src, a, a + n))
+                    copy(cut.rows(buf, dst), cut.of(t, src, a, a + n))
 
     def to_heads(self, tensors: tuple, cuts: tuple, parts: list) -> list:
         """``tensors`` exchanged (one rendezvous) in ``parts`` of this rank's key/value heads ((start, count) within

@@ -91,7 +91,7 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     ``masks`` (:class:`RowMasks`): the kernel is called as ``local(q, k, v, mask=...)`` once per range of query rows
     (``q`` those rows only, a view).  A key mask and row masks together are refused.
     """
-    ex = Exchange(group, rank, layout, q.shape[2], k.shape[2])
+    ex = getattr(group, "exchange_type", Exchange)(group, rank, layout, q.shape[2], k.shape[2])
     key_mask, whole_mask = _masks(mask, masks, layout, k.shape[1], q.shape[2])
     a, c = ex.mine
     if whole_mask is not None:
@@ -159,7 +159,7 @@ class Staged:
     each send is a rendezvous."""
 
     def __init__(self, group: Group, rank: int, layout: Layout, heads: int, kv_heads: int):
-        self.ex = Exchange(group, rank, layout, heads, kv_heads)
+        self.ex = getattr(group, "exchange_type", Exchange)(group, rank, layout, heads, kv_heads)
         self.bufs = []
 
     @staticmethod

@@ -1,8 +1,8 @@
 """Ranks in processes of their own (parallel/dist.py ProcessGroupRanks over torch.distributed, gloo on the CPU), 2, 3
-and 4 of them: the exchanged attention call (text held whole before and after the split part, grouped key/value heads
-that do not divide over the ranks, a key mask), a tensor made whole from every rank's shard and the flags every rank
-takes the same way give what one process gives (fp64 whole attention, the thread ranks of parallel/group.py), bit for
-bit where the arithmetic is the same."""
+and 4 of them: the exchanged attention call (an all-to-all: SentExchange; text held whole before and after the split
+part, grouped key/value heads that do not divide over the ranks, a key mask), a tensor made whole from every rank's
+shard and the flags every rank takes the same way give what one process gives (fp64 whole attention, the thread ranks
+of parallel/group.py), bit for bit where the arithmetic is the same."""
 
 from __future__ import annotations
 
@@ -67,7 +67,11 @@ def _process_rank(r, n, store_path, out_dir):
     dist.init_process_group("gloo", store=dist.FileStore(store_path, n), rank=r, world_size=n)
     try:
         G, D, C = _modules()
-        res = _rank_results(D.ProcessGroupRanks(dist.group.WORLD, "cpu"), r, n)
+        group, swaps = D.ProcessGroupRanks(dist.group.WORLD, "cpu"), []
+        real = group.swap
+        group.swap = lambda *a: swaps.append(a) or real(*a)  # the attention calls' all-to-alls
+        res = _rank_results(group, r, n)
+        res["swaps"] = len(swaps)
         torch.save(res, os.path.join(out_dir, f"rank{r}.pt"))
     finally:
         dist.destroy_process_group()
@@ -88,6 +92,7 @@ def test_ranks_in_processes_give_what_ranks_in_threads_give(n, tmp_path):
         for name in ("plain", "masked"):
             torch.testing.assert_close(got[name], got["ref_" + name], rtol=1e-12, atol=1e-12)
             assert torch.equal(got[name], threads[r][name]), (r, name)
+        assert got["swaps"] == 4, r  # each exchanged call: q, k, v (and the mask) out, the output back
         assert torch.equal(got["whole"], v), r  # v's whole sequence, from every rank's shard
         assert got["any"] is True and got["union"] == [0, *range(1, n)]
 
