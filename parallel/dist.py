@@ -10,8 +10,8 @@ ParaAttention's ranks do), so no interpreter lock is shared between GPUs.
 An attention call's exchange (:class:`SentExchange`) is an all-to-all: each rank sends every other rank only that
 rank's share (its heads of this rank's tokens; the output back: its tokens of this rank's heads).  Other posts
 (:meth:`~.context.RankContext.whole`, a shard made whole) move the posted tensor whole; ``like(peer, i)`` (given by the
-caller) is the shape of a peer's i-th tensor: the receiving buffers are made from it.  Plain Python values (:meth:`gather_objects`) go over ``objects``, a gloo group
-(no device sync).  A rank that fails cannot stop the others' waits: they end at the process group's timeout.
+caller) is the shape of a peer's i-th tensor: the receiving buffers are made from it.  Plain Python values
+(:meth:`gather_objects`) go over ``objects``, a gloo group (no device sync).  A rank that fails cannot stop the others' waits: they end at the process group's timeout.
 """
 
 from __future__ import annotations
