@@ -182,3 +182,17 @@ def test_core_int8_row_runs_core_model_attention_backend_node(comfy_model, monke
     assert note == "Model Attention Backend node" and m is not model
     hook = m.model_options["transformer_options"]["optimized_attention_override"]
     assert hook(None, "q", "k", "v", 2) == "out" and got == [("q", "k", "v", 2)]
+
+
+def test_a_guidance_scale_from_the_command_line_is_in_the_presets_description():
+    """bench_e2e --cfg: the description says what ran (CFG 1 has no CFG batch)."""
+    import os
+    import sys
+
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    import bench_e2e
+
+    wan = "Wan 2.1 1.3B t2v, 480p (832x480), 81 frames, CFG batch"
+    assert bench_e2e._with_cfg(wan, None) == wan
+    assert bench_e2e._with_cfg(wan, 1.0) == "Wan 2.1 1.3B t2v, 480p (832x480), 81 frames, CFG 1 (one prompt per step)"
+    assert bench_e2e._with_cfg(wan, 3.5) == wan + ", CFG 3.5"
