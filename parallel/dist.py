@@ -23,95 +23,6 @@ from .exchange import Exchange
 from .group import ALIGN, _copy, _copy_words, split
 
 
-class ProcessGroupRanks:
-    """One rank of a forward split over processes: ``pg`` (its ranks in rank order), ``objects`` (a gloo group of the
-    same ranks, for plain values; None: ``pg``), ``device`` (this process's)."""
-
-    pitched = False  # no device-to-device copies here: every copy is on this rank's device
-    staged = False  # q, k and v cross in one batch per call (one send each would be three batches)
-    words = True
-    pipeline = 1
-
-    def __init__(self, pg, device, objects=None, min_tokens: int = 0, align: int | None = None):
-        self.pg = pg
-        self.objects = objects if objects is not None else pg
-        self.rank = dist.get_rank(pg)
-        self.size = dist.get_world_size(pg)
-        self.ranks = [dist.get_global_rank(pg, r) for r in range(self.size)]
-        self.devices = [torch.device(device)] * self.size  # a rank sees its own device only
-        self.min_tokens = min_tokens
-        self.align = ALIGN if align is None else align
-        self.error: BaseException | None = None
-
-    def _mine(self, rank: int) -> None:
-        if rank != self.rank:
-            raise ValueError(f"rank {rank} posted in the process of rank {self.rank}")
-
-    def abort(self, error: BaseException) -> None:
-        if self.error is None:
-            self.error = error
-
-    def gather_objects(self, rank: int, obj) -> list:
-        self._mine(rank)
-        out = [None] * self.size
-        dist.all_gather_object(out, obj, group=self.objects)
-        return out
-
-    def swap(self, rank: int, outgoing: list, shapes: list, like) -> list:
-        """``outgoing[peer]`` (tensors, any strides) sent to each other rank, and from each a tuple of tensors of
-        ``shapes[peer]`` received (dtype and device of ``like``'s): the received, by rank (None for this one), once this
-        rank's current stream reaches them."""
-        self._mine(rank)
-        ops, got = [], [None] * self.size
-        for peer in range(self.size):
-            if peer == rank:
-                continue
-            g = self.ranks[peer]
-            got[peer] = tuple(torch.empty(sh, dtype=t.dtype, device=t.device) for sh, t in zip(shapes[peer], like))
-            # sent contiguous, made on the current stream, which waits for the transfers
-            ops += [dist.P2POp(dist.isend, t.contiguous(), g, self.pg) for t in outgoing[peer]]
-            ops += [dist.P2POp(dist.irecv, b, g, self.pg) for b in got[peer]]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()
-        return got
-
-    def post(self, rank: int, tensors: tuple, like=None) -> list:
-        """``tensors`` sent to every other rank and theirs received (shapes from ``like``; None: this rank's): every
-        rank's tensors, by rank, on this rank's device, once this rank's current stream reaches them."""
-        self._mine(rank)
-        tensors = tuple(tensors)
-        if self.size == 1:
-            return [(tensors, None, None)]
-        sends = [t.contiguous() for t in tensors]  # on the current stream, which waits for the transfers (below)
-        ops, posted = [], []
-        for peer in range(self.size):
-            if peer == rank:
-                posted.append((tensors, None, None))
-                continue
-            bufs = tuple(torch.empty(like(peer, i) if like is not None else t.shape, dtype=t.dtype, device=t.device)
-                         for i, t in enumerate(tensors))
-            posted.append((bufs, None, None))
-            g = self.ranks[peer]
-            ops += [dist.P2POp(dist.isend, t, g, self.pg) for t in sends]
-            ops += [dist.P2POp(dist.irecv, b, g, self.pg) for b in bufs]
-        if ops:
-            for work in dist.batch_isend_irecv(ops):
-                work.wait()  # NCCL: this rank's current stream waits for the transfers (the host does not)
-        return posted
-
-    def puller(self, rank: int, peer: int, posted: list, stream=None):
-        return _copy_words if self.words else _copy
-
-    def receiving(self, rank: int):
-        return None
-
-    def exchange(self, rank: int, tensors: tuple, fill, like=None) -> None:
-        posted = self.post(rank, tensors, like)
-        for peer in range(self.size):
-            fill(peer, posted[peer][0], self.puller(rank, peer, posted))
-
-
 class SentExchange(Exchange):
     """:class:`~.exchange.Exchange` between ranks that cannot read each other's tensors: the sender cuts what each
     rank needs (an all-to-all), where the threads' ranks pull it."""
@@ -173,7 +84,80 @@ class SentExchange(Exchange):
         return out
 
 
-ProcessGroupRanks.exchange_type = SentExchange  # what ulysses() exchanges an attention call with over these ranks
+class ProcessGroupRanks:
+    """One rank of a forward split over processes: ``pg`` (its ranks in rank order), ``objects`` (a gloo group of the
+    same ranks, for plain values; None: ``pg``), ``device`` (this process's)."""
+
+    pitched = False  # no device-to-device copies here: every copy is on this rank's device
+    staged = False  # q, k and v cross in one batch per call (one send each would be three batches)
+    words = True
+    pipeline = 1
+    exchange_type = SentExchange  # what ulysses() exchanges an attention call with over these ranks
+
+    def __init__(self, pg, device, objects=None, min_tokens: int = 0, align: int | None = None):
+        self.pg = pg
+        self.objects = objects if objects is not None else pg
+        self.rank = dist.get_rank(pg)
+        self.size = dist.get_world_size(pg)
+        self.ranks = [dist.get_global_rank(pg, r) for r in range(self.size)]
+        self.devices = [torch.device(device)] * self.size  # a rank sees its own device only
+        self.min_tokens = min_tokens
+        self.align = ALIGN if align is None else align
+        self.error: BaseException | None = None
+
+    def _mine(self, rank: int) -> None:
+        if rank != self.rank:
+            raise ValueError(f"rank {rank} posted in the process of rank {self.rank}")
+
+    def abort(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+
+    def gather_objects(self, rank: int, obj) -> list:
+        self._mine(rank)
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.objects)
+        return out
+
+    def swap(self, rank: int, outgoing: list, shapes: list, like) -> list:
+        """``outgoing[peer]`` (tensors, any strides) sent to each other rank, and from each a tuple of tensors of
+        ``shapes[peer]`` received (dtype and device of ``like``'s): the received, by rank (None for this one), once this
+        rank's current stream reaches them."""
+        self._mine(rank)
+        ops, got = [], [None] * self.size
+        for peer in range(self.size):
+            if peer == rank:
+                continue
+            g = self.ranks[peer]
+            got[peer] = tuple(torch.empty(sh, dtype=t.dtype, device=t.device) for sh, t in zip(shapes[peer], like))
+            # sent contiguous, made on the current stream, which waits for the transfers
+            ops += [dist.P2POp(dist.isend, t.contiguous(), g, self.pg) for t in outgoing[peer]]
+            ops += [dist.P2POp(dist.irecv, b, g, self.pg) for b in got[peer]]
+        if ops:
+            for work in dist.batch_isend_irecv(ops):
+                work.wait()
+        return got
+
+    def post(self, rank: int, tensors: tuple, like=None) -> list:
+        """``tensors`` sent whole to every other rank and theirs received (shapes from ``like``; None: this rank's):
+        every rank's tensors, by rank, on this rank's device, once this rank's current stream reaches them."""
+        tensors = tuple(tensors)
+        shapes = [[like(peer, i) if like is not None else t.shape for i, t in enumerate(tensors)]
+                  for peer in range(self.size)]
+        sends = tuple(t.contiguous() for t in tensors)  # once for every peer (swap's own is then a no-op)
+        got = self.swap(rank, [sends] * self.size, shapes, tensors)
+        return [(tensors if peer == rank else got[peer], None, None) for peer in range(self.size)]
+
+    def puller(self, rank: int, peer: int, posted: list, stream=None):
+        return _copy_words if self.words else _copy
+
+    def receiving(self, rank: int):
+        return None
+
+    def exchange(self, rank: int, tensors: tuple, fill, like=None) -> None:
+        posted = self.post(rank, tensors, like)
+        for peer in range(self.size):
+            fill(peer, posted[peer][0], self.puller(rank, peer, posted))
 
 
 def _cut_shape(t, cut, tokens: int, kv_heads: int) -> list:

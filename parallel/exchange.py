@@ -12,7 +12,6 @@ mask over the tokens.  On CUDA the copies run on the rank's receive stream, the 
 
 from __future__ import annotations
 
-import functools
 from dataclasses import dataclass
 from functools import cached_property
 
@@ -117,20 +116,12 @@ class Exchange:
         """Empty tensors for every token of ``kv_heads`` of this rank's key/value heads, one per tensor of ``tensors``."""
         return [cut.buffer(t, self.layout.full_len, kv_heads) for t, cut in zip(tensors, cuts)]
 
-    def send(self, tensors: tuple, cuts: tuple) -> list:
-        """Post ``tensors`` (this rank's tokens, every head; where, ``cuts``); once every rank has: every rank's
-        posting."""
+    def send(self, tensors: tuple) -> list:
+        """Post ``tensors`` (this rank's tokens, every head); once every rank has: every rank's posting."""
         if self.recv is not None:
             self.compute = torch.cuda.current_stream(tensors[0].device)
             self.recv.wait_stream(self.compute)  # the buffers were made on the compute stream
-        lay = self.layout
-
-        def like(peer, i):  # a peer's tensor: its tokens, every head
-            shape = list(tensors[i].shape)
-            shape[cuts[i].tokens] = lay.local_len(peer)
-            return shape
-
-        return self.group.post(self.rank, tensors, like)
+        return self.group.post(self.rank, tensors)
 
     def pull(self, posted: list, bufs: list, cuts: tuple, lo: int, n: int) -> None:
         """Every rank's tokens of this rank's key/value heads ``lo`` to ``lo + n`` (from its first) into ``bufs``, the
@@ -158,7 +149,7 @@ class Exchange:
         them): per part, its buffers (:meth:`buffers`, filled on the receive stream) and the event of their arrival
         (None off CUDA)."""
         bufs = [self.buffers(tensors, cuts, n) for _, n in parts]
-        posted = self.send(tensors, cuts)
+        posted = self.send(tensors)
         arrived = []
         for (lo, n), pbufs in zip(parts, bufs):
             if n:
@@ -194,7 +185,7 @@ class Exchange:
         lay, g = self.layout, self.g
         p, sfx, full = lay.prefix, lay.suffix, lay.full_len
         s0, sc = lay.shards[self.rank]
-        back = self.group.post(self.rank, (of,), functools.partial(_output_like, of, self.kv, g, part, parts))
+        back = self.group.post(self.rank, (of,))
         for peer in range(self.group.size):
             (op,) = back[peer][0]
             pa, pc = self.kv[peer]
@@ -214,11 +205,6 @@ class Exchange:
         if self.recv is not None:
             self.compute.wait_stream(self.recv)
         return out
-
-
-def _output_like(of, kv: list, g: int, part: int, parts: int, peer: int, i: int = 0) -> list:
-    """The shape of ``peer``'s kernel output where this rank's is ``of``: every token, its heads of part ``part``."""
-    return [of.shape[0], of.shape[1], g * split(kv[peer][1], parts)[part][1], of.shape[3]]
 
 
 def _ends(prefix: int, suffix: int, full: int, local: int):

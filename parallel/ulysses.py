@@ -173,7 +173,7 @@ class Staged:
         ex, c = self.ex, self.ex.mine[1]
         cuts = (ex.query() if not self.bufs else KV,)  # q: the query heads of this rank's key/value heads
         (buf,) = ex.buffers((t,), cuts, c)
-        ex.pull(ex.send((t,), cuts), [buf], cuts, 0, c)
+        ex.pull(ex.send((t,)), [buf], cuts, 0, c)
         self.bufs.append(buf)
 
     def finish(self, local):
