@@ -10,11 +10,15 @@ ParaAttention's ranks do), so no interpreter lock is shared between GPUs.
 An attention call's exchange (:class:`SentExchange`) is an all-to-all: each rank sends every other rank only that
 rank's share (its heads of this rank's tokens; the output back: its tokens of this rank's heads).  Other posts
 (:meth:`~.context.RankContext.whole`, a shard made whole) move the posted tensor whole; ``like(peer, i)`` (given by the
-caller) is the shape of a peer's i-th tensor: the receiving buffers are made from it.  Plain Python values
+caller) is the shape of a peer's i-th tensor: the receiving buffers are made from it.  A swap goes as one batch of
+point-to-point operations, or (``collective=True``) as one ``all_to_all_single`` of a flat buffer, every tensor for a
+peer written into it once (what NCCL lets a CUDA graph capture: torch's point-to-point operations are not captured).  Plain Python values
 (:meth:`gather_objects`) go over ``objects``, a gloo group (no device sync).  A rank that fails cannot stop the others' waits: they end at the process group's timeout.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.distributed as dist
@@ -94,8 +98,10 @@ class ProcessGroupRanks:
     pipeline = 1
     exchange_type = SentExchange  # what ulysses() exchanges an attention call with over these ranks
 
-    def __init__(self, pg, device, objects=None, min_tokens: int = 0, align: int | None = None):
+    def __init__(self, pg, device, objects=None, min_tokens: int = 0, align: int | None = None,
+                 collective: bool = False):
         self.pg = pg
+        self.collective = collective
         self.objects = objects if objects is not None else pg
         self.rank = dist.get_rank(pg)
         self.size = dist.get_world_size(pg)
@@ -124,6 +130,8 @@ class ProcessGroupRanks:
         ``shapes[peer]`` received (dtype and device of ``like``'s): the received, by rank (None for this one), once this
         rank's current stream reaches them."""
         self._mine(rank)
+        if self.collective and self.size > 1 and len({t.dtype for t in like}) == 1:
+            return self._swap_flat(rank, outgoing, shapes, like[0])
         ops, got = [], [None] * self.size
         for peer in range(self.size):
             if peer == rank:
@@ -136,6 +144,29 @@ class ProcessGroupRanks:
         if ops:
             for work in dist.batch_isend_irecv(ops):
                 work.wait()
+        return got
+
+    def _swap_flat(self, rank: int, outgoing: list, shapes: list, like) -> list:
+        """:meth:`swap` as one ``all_to_all_single``: each peer's tensors written once into a flat send buffer, the
+        received ones views of a flat receive buffer."""
+        sent = [0 if p == rank else sum(t.numel() for t in outgoing[p]) for p in range(self.size)]
+        wanted = [[math.prod(sh) for sh in shapes[p]] if p != rank else [] for p in range(self.size)]
+        send = torch.empty(sum(sent), dtype=like.dtype, device=like.device)
+        recv = torch.empty(sum(map(sum, wanted)), dtype=like.dtype, device=like.device)
+        at = 0
+        for p in range(self.size):
+            for t in outgoing[p] if p != rank else ():
+                send[at:at + t.numel()].view(t.shape).copy_(t)
+                at += t.numel()
+        dist.all_to_all_single(recv, send, [sum(w) for w in wanted], sent, group=self.pg)
+        got, at = [None] * self.size, 0
+        for p in range(self.size):
+            if p != rank:
+                views = []
+                for sh, n in zip(shapes[p], wanted[p]):
+                    views.append(recv[at:at + n].view(sh))
+                    at += n
+                got[p] = tuple(views)
         return got
 
     def post(self, rank: int, tensors: tuple, like=None) -> list:

@@ -1,5 +1,5 @@
 """Ranks in processes of their own (parallel/dist.py ProcessGroupRanks over torch.distributed, gloo on the CPU), 2, 3
-and 4 of them: the exchanged attention call (an all-to-all: SentExchange; text held whole before and after the split
+and 4 of them, their transfers batched point-to-point or one all-to-all each: the exchanged attention call (an all-to-all: SentExchange; text held whole before and after the split
 part, grouped key/value heads that do not divide over the ranks, a key mask), a tensor made whole from every rank's
 shard and the flags every rank takes the same way give what one process gives (fp64 whole attention, the thread ranks
 of parallel/group.py), bit for bit where the arithmetic is the same."""
@@ -61,13 +61,13 @@ def _rank_results(group, r, n):
             "ref_masked": rank_rows(whole(q, k, v, key_mask.unsqueeze(-2)), lay, r)}
 
 
-def _process_rank(r, n, store_path, out_dir):
+def _process_rank(r, n, store_path, out_dir, collective=False):
     torch.set_num_threads(1)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # this process's own: the ranks meet on this machine
     dist.init_process_group("gloo", store=dist.FileStore(store_path, n), rank=r, world_size=n)
     try:
         G, D, C = _modules()
-        group, swaps = D.ProcessGroupRanks(dist.group.WORLD, "cpu"), []
+        group, swaps = D.ProcessGroupRanks(dist.group.WORLD, "cpu", collective=collective), []
         real = group.swap
         group.swap = lambda *a: swaps.append(a) or real(*a)  # every transfer between the processes
         res = _rank_results(group, r, n)
@@ -77,12 +77,14 @@ def _process_rank(r, n, store_path, out_dir):
         dist.destroy_process_group()
 
 
+@pytest.mark.parametrize("collective", [False, True], ids=["p2p", "all_to_all"])
 @pytest.mark.parametrize("n", [2, 3, 4])
-def test_ranks_in_processes_give_what_ranks_in_threads_give(n, tmp_path):
+def test_ranks_in_processes_give_what_ranks_in_threads_give(n, collective, tmp_path):
     from test_context_parallel import run_ranks
 
     G, D, C = _modules()
-    mp.start_processes(_process_rank, args=(n, str(tmp_path / "store"), str(tmp_path)), nprocs=n, start_method="spawn")
+    mp.start_processes(_process_rank, args=(n, str(tmp_path / "store"), str(tmp_path), collective), nprocs=n,
+                       start_method="spawn")
     group = G.Group(["cpu"] * n)
     threads, errs = run_ranks(n, lambda r: _rank_results(group, r, n))
     assert not any(errs), errs

@@ -415,16 +415,26 @@ stage_multigpu-table() {  # the table of docs/multi-gpu.md in one call: Wan 14B 
   MG_PRESET=wan-1.3b MG_CFG=5 MG_STEPS=3 MG_LIMIT=90 \
     MG_ROWS=1:unpatched,1:sage_fp8_sm90,cfg:unpatched,cfg:sage_fp8_sm90,cp:unpatched,cp:sage_fp8_sm90 stage_multigpu
 }
-stage_multigpu-procs() {  # threads (the node today) against a process per GPU, every forward split (PROCS_PRESET, PROCS_ROWS)
-  local p=${PROCS_PRESET:-flux-dev} b=${PROCS_BACKENDS:-unpatched,sage_fp8_sm90}
-  local rows=() prows=() x
-  for x in ${b//,/ }; do rows+=("1:$x" "cp:$x"); prows+=("1:$x" "procs:$x"); done
-  MG_PRESET=$p MG_CFG=${PROCS_CFG:-1} MG_STEPS=${PROCS_STEPS:-4} MG_MIN_TOKENS=0 MG_LIMIT=${PROCS_LIMIT:-240} MG_ROUNDS=${PROCS_ROUNDS:-2} \
-    MG_ROWS=$(IFS=,; echo "${rows[*]}") stage_multigpu
-  timeout "${PROCS_LIMIT:-240}" $PY tests/gpu/multigpu_procs.py --preset "$p" --steps "${PROCS_STEPS:-4}" \
-    --rounds "${PROCS_ROUNDS:-2}" --cfg "${PROCS_CFG:-1}" --rows "$(IFS=,; echo "${prows[*]}")" \
-    --json "$OUT/procs-$p.json" --md "$OUT/procs-$p.md" 2>&1 | grep -v "it/s\]" | tail -n 30
-  return $(( PIPESTATUS[0] != 0 ))
+stage_multigpu-procs() {  # threads (the node today) against a process per GPU, every forward split (PROCS_PRESET: one or
+  # several, comma-separated; PROCS_BACKENDS; PROCS_MODES: the process rows' modes, e.g. 1,1-g,procs-a2a,procs-a2a-g;
+  # PROCS_THREADS=0: no thread rows)
+  local p b=${PROCS_BACKENDS:-unpatched,sage_fp8_sm90} modes=${PROCS_MODES:-1,procs} status=0
+  local rows=() prows=() x y
+  for x in ${b//,/ }; do
+    rows+=("1:$x" "cp:$x")
+    for y in ${modes//,/ }; do prows+=("$y:$x"); done
+  done
+  for p in $(echo "${PROCS_PRESET:-flux-dev}" | tr , ' '); do
+    if [ "${PROCS_THREADS:-1}" != 0 ]; then
+      MG_PRESET=$p MG_CFG=${PROCS_CFG:-1} MG_STEPS=${PROCS_STEPS:-4} MG_MIN_TOKENS=0 MG_LIMIT=${PROCS_LIMIT:-240} \
+        MG_ROUNDS=${PROCS_ROUNDS:-2} MG_ROWS=$(IFS=,; echo "${rows[*]}") stage_multigpu
+    fi
+    timeout "${PROCS_LIMIT:-240}" $PY tests/gpu/multigpu_procs.py --preset "$p" --steps "${PROCS_STEPS:-4}" \
+      --rounds "${PROCS_ROUNDS:-2}" --cfg "${PROCS_CFG:-1}" --rows "$(IFS=,; echo "${prows[*]}")" \
+      --json "$OUT/procs-$p.json" --md "$OUT/procs-$p.md" 2>&1 | grep -v "it/s\]" | tail -n 30
+    [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+  return $status
 }
 stage_multigpu-wan14-cfg5() {  # Wan 2.1 14B 480p at CFG 5: CFG Split against Context Parallel (cfg_split off)
   MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=${MG_LIMIT:-280} \
