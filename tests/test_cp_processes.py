@@ -135,3 +135,34 @@ def test_the_process_benchmark_splits_every_forward_and_matches_one_process(tmp_
         split = rows[f"procs:{backend}"]
         assert split["forwards_split"] == 4 and split["forwards_whole"] == 0, split  # a warm-up step and 3 timed
         assert split["rel_l1_vs_1gpu"] == 0, split
+
+
+def test_a_graphed_forward_keys_on_its_tensors_and_runs_a_control_dict_eagerly():
+    """tests/gpu/multigpu_procs.py's CUDA-graph wrapper: ComfyUI passes ``transformer_options`` positionally; a forward is
+    keyed by its tensors' shapes (not by that dict), and one with ControlNet's dict runs eagerly (on the CPU here, no
+    capture is reached: the first forwards of a shape run eagerly)."""
+    sys.path.insert(0, os.path.join(HERE, "gpu"))
+    from multigpu_procs import GraphedForward
+
+    class Model:
+        def _forward(self, x, timestep, context, y=None, control=None, transformer_options={}, **kwargs):
+            return x * 2
+
+    class Executor:  # what ComfyUI's WrapperExecutor gives a wrapper: the original bound method, callable
+        def __init__(self, m):
+            self.original = m._forward
+
+        def __call__(self, *args, **kwargs):
+            return self.original(*args, **kwargs)
+
+    g, ex = GraphedForward(warmup=2), Executor(Model())
+    x, t, c = torch.ones(1, 4), torch.zeros(1), torch.ones(1, 3, 8)
+    key = g._key(ex, (x, t, c, None, None, {"wrappers": {}}), {"guidance": torch.ones(1)})
+    assert key == (("x", (1, 4), torch.float32, x.device), ("timestep", (1,), torch.float32, x.device),
+                   ("context", (1, 3, 8), torch.float32, x.device), ("y", None), ("control", None),
+                   ("guidance", (1,), torch.float32, x.device))
+    assert g._key(ex, (x, t, c, None, {"input": [x]}, {}), {}) is None
+    for _ in range(2):
+        assert torch.equal(g(ex, x, t, c, None, None, {}), x * 2)
+    assert g(ex, x, t, c, None, {"input": [x]}, {}).sum() == 8
+    assert (g.eager, g.captured, g.replayed) == (3, 0, 0)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
+import inspect
 import json
 import os
 import statistics
@@ -75,17 +76,31 @@ class GraphedForward:
     wrapper, not the node's."""
 
     def __init__(self, warmup: int = 2):
-        self.warmup, self.graphs, self.seen = warmup, {}, {}
+        self.warmup, self.graphs, self.seen, self.signatures = warmup, {}, {}, {}
         self.captured = self.replayed = self.eager = 0
         self.pool = None
 
-    @staticmethod
-    def _items(args, kwargs):
-        return [*enumerate(args), *sorted((k, v) for k, v in kwargs.items() if k != "transformer_options")]
+    def _items(self, executor, args, kwargs) -> list:
+        """(name, value) of every argument of the forward but ``transformer_options`` (positional in ComfyUI's calls),
+        in the order of the forward's signature, ``**kwargs`` sorted by name."""
+        fn = executor.original
+        sig = self.signatures.get(fn.__func__)
+        if sig is None:
+            sig = self.signatures[fn.__func__] = inspect.signature(fn)
+        out = []
+        for name, v in sig.bind(*args, **kwargs).arguments.items():
+            kind = sig.parameters[name].kind
+            if kind is inspect.Parameter.VAR_KEYWORD:
+                out += sorted(v.items())
+            elif kind is inspect.Parameter.VAR_POSITIONAL:
+                out += [(f"{name}{i}", x) for i, x in enumerate(v)]
+            elif name != "transformer_options":
+                out.append((name, v))
+        return out
 
-    def _key(self, args, kwargs):
+    def _key(self, executor, args, kwargs):
         key = []
-        for name, v in self._items(args, kwargs):
+        for name, v in self._items(executor, args, kwargs):
             if isinstance(v, torch.Tensor):
                 key.append((name, tuple(v.shape), v.dtype, v.device))
             elif v is None or isinstance(v, (bool, int, float, str)):
@@ -94,11 +109,11 @@ class GraphedForward:
                 return None
         return tuple(key)
 
-    def _tensors(self, args, kwargs) -> list:
-        return [v for _, v in self._items(args, kwargs) if isinstance(v, torch.Tensor)]
+    def _tensors(self, executor, args, kwargs) -> list:
+        return [v for _, v in self._items(executor, args, kwargs) if isinstance(v, torch.Tensor)]
 
     def __call__(self, executor, *args, **kwargs):
-        key = self._key(args, kwargs)
+        key = self._key(executor, args, kwargs)
         if key is None or self.seen.get(key, 0) < self.warmup:
             if key is not None:
                 self.seen[key] = self.seen.get(key, 0) + 1
@@ -109,7 +124,7 @@ class GraphedForward:
             entry = self.graphs[key] = self._capture(executor, args, kwargs)
             self.captured += 1
         graph, static, out = entry
-        for dst, src in zip(static, self._tensors(args, kwargs)):
+        for dst, src in zip(static, self._tensors(executor, args, kwargs)):
             dst.copy_(src)
         graph.replay()
         self.replayed += 1
@@ -118,7 +133,7 @@ class GraphedForward:
     def _capture(self, executor, args, kwargs):
         args = tuple(a.clone() if isinstance(a, torch.Tensor) else a for a in args)
         kwargs = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()}
-        static = self._tensors(args, kwargs)
+        static = self._tensors(executor, args, kwargs)
         graph = torch.cuda.CUDAGraph()
         torch.cuda.synchronize()
         # thread_local: ProcessGroupNCCL's watchdog thread queries events while this thread captures
@@ -182,6 +197,21 @@ def split_clone(pack, m, pg, objects, device, collective=False):
     return m, wrapper
 
 
+def capturable_wan() -> None:
+    """ComfyUI's Wan makes its timestep embedding's frequencies on the CPU in every forward (``torch.arange(half)``,
+    then copied to the GPU: a copy a capture refuses); here the same integers are made on the GPU (the same numbers)."""
+    import comfy.ldm.wan.model as wan
+
+    def sinusoidal_embedding_1d(dim, position):
+        assert dim % 2 == 0
+        half = dim // 2
+        position = position.type(torch.float32)
+        sinusoid = torch.outer(position, torch.pow(10000, -torch.arange(half, device=position.device).to(position).div(half)))
+        return torch.cat([torch.cos(sinusoid), torch.sin(sinusoid)], dim=1)
+
+    wan.sinusoidal_embedding_1d = sinusoidal_embedding_1d
+
+
 def graphed(m):
     """A clone of ``m`` whose diffusion-model forwards replay CUDA graphs (:class:`GraphedForward`)."""
     import comfy.patcher_extension as pe
@@ -201,6 +231,8 @@ def _rank(rank, n, a, store, out_dir):
     dist.init_process_group("gloo" if cpu else "nccl", store=dist.FileStore(store, n), rank=rank, world_size=n,
                             timeout=datetime.timedelta(seconds=a.timeout), **({} if cpu else {"device_id": device}))
     objects = dist.new_group(backend="gloo")
+    if any("-g" in row.split(":")[0] for row in a.rows.split(",")):
+        capturable_wan()  # every row of this process: eager and graphed rows run the same code
     try:
         job = _job(pack, a.preset, "cpu" if cpu else "cuda")
         job.steps = a.steps

@@ -104,6 +104,14 @@
 #                  on one GPU and split (the top device operations of both GPUs)
 #   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
+#   offload        Context Parallel against one GPU when the weights do not fit the card (tests/gpu/offload.py): a card of
+#                  OFFLOAD_CARD GiB (default 24; 0: none) emulated on every GPU (PyTorch's allocator capped, ComfyUI's
+#                  reserve as --reserve-vram), the weights on the CPU, ComfyUI's loader OFFLOAD_LOADER (estimate: the
+#                  ModelPatcher partial load, default; dynamic: 0.33's dynamic VRAM); per row s/step, ratio and latent
+#                  against one GPU, per GPU the weights on the GPU and on the CPU (pinned), peak memory; OFFLOAD_PROFILE
+#                  rows: one step profiled (host-to-device copies pinned/pageable, kernel and idle time, host time in
+#                  casts); OFFLOAD_PRESET (default wan-14b-720p), OFFLOAD_ROWS, OFFLOAD_STEPS, OFFLOAD_LIMIT seconds
+#                  (default 480: rows that would not fit are listed as not run)
 #   zoo            the model zoo (tests/gpu/zoo.py): every configuration tests/zoo builds, at its GPU sizes, in bf16, with
 #                  every installed backend and auto against unpatched (ComfyUI 0.33 and comfy-kitchen from env);
 #                  ZOO_BUDGET seconds (default 420), ZOO_PART=i/n splits it over several calls (zoo-gpu-<i>of<n>.json),
@@ -467,6 +475,16 @@ stage_multigpu-diagnose() {  # why Sage's CFG Split latent differs from one GPU'
 }
 stage_multigpu-smoke() {
   MG_PRESET=wan-1.3b-33f MG_STEPS=2 MG_LIMIT=240 MG_ROWS=1:unpatched,cp:unpatched,cp:sdpa_math stage_multigpu
+}
+
+OFFLOAD_ROWS_DEFAULT=1:sage_fp8_sm90,cp:sage_fp8_sm90,1:unpatched,cp:unpatched
+stage_offload() {  # weights beyond an emulated card, on the CPU: one GPU against Context Parallel, per GPU what loaded
+  local p=${OFFLOAD_PRESET:-wan-14b-720p} l=${OFFLOAD_LOADER:-estimate} c=${OFFLOAD_CARD:-24} limit=${OFFLOAD_LIMIT:-480}
+  timeout $(( ${limit%.*} + 60 )) $PY tests/gpu/offload.py --preset "$p" --loader "$l" --card-gib "$c" \
+    --steps "${OFFLOAD_STEPS:-2}" --rows "${OFFLOAD_ROWS:-$OFFLOAD_ROWS_DEFAULT}" --profile "${OFFLOAD_PROFILE:-}" \
+    --limit "$limit" --json "$OUT/offload-$p-$l-card$c.json" --md "$OUT/offload-$p-$l-card$c.md" 2>&1 \
+    | grep -v "it/s\]" | tail -n 60
+  return $(( PIPESTATUS[0] != 0 ))
 }
 
 stage_zoo() {
