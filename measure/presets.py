@@ -35,6 +35,7 @@ WAN = {"image_model": "wan2.1", "model_type": "t2v", "patch_size": (1, 2, 2), "f
        "qk_norm": True, "cross_attn_norm": True, "eps": 1e-6, "in_dim": 16, "out_dim": 16}
 WAN_1_3B = {**WAN, "dim": 1536, "ffn_dim": 8960, "num_heads": 12, "num_layers": 30}
 WAN_14B = {**WAN, "dim": 5120, "ffn_dim": 13824, "num_heads": 40, "num_layers": 40}
+QWEN_IMAGE = {"image_model": "qwen_image", "in_channels": 64, "num_layers": 60}  # 20B: 24 heads of 128, text 3,584 wide
 
 
 @dataclass(frozen=True)
@@ -69,6 +70,10 @@ MODEL_PRESETS = {
                                 "Wan 2.1 14B t2v, 720p (1280x720), 81 frames, CFG batch"),
     "wan-1.3b-33f": ModelPreset("WAN21_T2V", WAN_1_3B, (1, 16, 9, 60, 104), (1, 512, 4096), None, 5.0,
                                 "Wan 2.1 1.3B t2v, 480p, 33 frames, CFG batch"),
+    "wan-14b-33f": ModelPreset("WAN21_T2V", WAN_14B, (1, 16, 9, 60, 104), (1, 512, 4096), None, 5.0,
+                               "Wan 2.1 14B t2v, 480p, 33 frames, CFG batch"),
+    "qwen-image": ModelPreset("QwenImage", QWEN_IMAGE, (1, 16, 1, 166, 166), (1, 256, 3584), None, 1.0,
+                              "Qwen-Image, 1328x1328, CFG 1"),
 }
 
 def model_config(cls, unet: dict) -> dict:
