@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 
 from .hook import OVERRIDE_KEY, BoundWrapper, describe, reaches
+from .loaded import keep_pins_on
 
 log = logging.getLogger("patch_attention.nodes")
 
@@ -107,4 +108,5 @@ def install(m, ov):
         m.remove_wrappers_with_key(kind, WRAPPER_KEY)
         if ov is not None:
             m.add_wrapper_with_key(kind, WRAPPER_KEY, wrapper(ov))
+    keep_pins_on(m, ov is not None)  # offloaded weights a freed clone unpinned are pinned again (nodes/loaded.py)
     return m

@@ -44,6 +44,7 @@ from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
 from .handoff import Handoff
+from .loaded import keep_pins_on
 from .hook import COMPILE_KEY, OVERRIDE_KEY, SharedWrapper, bind, host_function, take
 from .progress import executing_node
 
@@ -610,6 +611,7 @@ def install(m, cp: ContextParallel) -> None:
     topts[OVERRIDE_KEY] = ContextParallelAttention(current)
     m.remove_wrappers_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY)
     m.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, RunWrapper(cp))
+    keep_pins_on(m)  # the GPUs' copies' offloaded weights stay pinned from run to run (nodes/loaded.py)
     wrappers = topts.setdefault("wrappers", {})
     rest = {k: v for k, v in wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).items() if k != WRAPPER_KEY}
     wrappers[pe.WrappersMP.APPLY_MODEL] = {WRAPPER_KEY: [SplitForwardWrapper(cp)], **rest}

@@ -63,10 +63,14 @@ def test_rows_parse(ob):
     assert [r["row"] for r in rows] == ["1:sage_fp8_sm90", "cp:sage_fp8_sm90", "1:unpatched", "cp-g3:kitchen_sol[tau=0.5]"]
     assert [(r["mode"], r["gpus"], r["backend"]) for r in rows] == [
         ("1", 0, "sage_fp8_sm90"), ("cp", 0, "sage_fp8_sm90"), ("1", 0, "unpatched"), ("cp", 3, "kitchen_sol[tau=0.5]")]
+    assert all(r["pins"] for r in rows)
+    off = ob.parse_rows("1-nopin:sage,cp-g2-nopin:sage")
+    assert [(r["mode"], r["gpus"], r["pins"]) for r in off] == [("1", 0, False), ("cp", 2, False)]
 
 
 @pytest.mark.parametrize("bad, why", [("2:sage", "expected"), ("cp:", "expected"), ("cp-x:sage", "expected"),
                                       ("cp-g1:sage", "N >= 2"), ("cfg:sage", "expected"), ("1:a,1:a", "twice"),
+                                      ("cp-nopin-g2:sage", "expected"),
                                       (" , ", "no rows")])
 def test_bad_rows_are_refused(ob, bad, why):
     with pytest.raises(ValueError, match=why):

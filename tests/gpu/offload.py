@@ -47,6 +47,7 @@ import datetime
 import gc
 import importlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -63,24 +64,26 @@ sys.path.insert(0, HERE)
 import multigpu as MG  # noqa: E402
 
 GIB = 2**30
-ROW = re.compile(r"(1|cp(?:-g(\d+))?):([^,:\s]+)$")
+ROW = re.compile(r"(1|cp(?:-g(\d+))?)(-nopin)?:([^,:\s]+)$")
 
 
 def parse_rows(text: str) -> list[dict]:
-    """``1:sage,cp:sage,cp-g2:sage`` -> ``[{"row", "mode" ("1"/"cp"), "gpus" (0: all), "backend"}]``."""
+    """``1:sage,cp:sage,cp-g2:sage,cp-nopin:sage`` -> ``[{"row", "mode" ("1"/"cp"), "gpus" (0: all), "pins" (False:
+    ``-nopin``, the nodes' pin keeper taken off), "backend"}]``."""
     out = []
     for row in (x.strip() for x in text.split(",")):
         if not row:
             continue
         m = ROW.match(row)
         if m is None:
-            raise ValueError(f"row {row!r}: expected 1:<backend>, cp:<backend> or cp-gN:<backend>")
+            raise ValueError(f"row {row!r}: expected 1:<backend>, cp:<backend> or cp-gN:<backend> (-nopin after the mode)")
         gpus = int(m.group(2) or 0)
         if m.group(2) is not None and gpus < 2:
             raise ValueError(f"row {row!r}: cp-gN splits over N >= 2 GPUs")
         if any(r["row"] == row for r in out):
             raise ValueError(f"row {row!r} is named twice")
-        out.append({"row": row, "mode": "1" if m.group(1) == "1" else "cp", "gpus": gpus, "backend": m.group(3)})
+        out.append({"row": row, "mode": "1" if m.group(1) == "1" else "cp", "gpus": gpus, "pins": not m.group(3),
+                    "backend": m.group(4)})
     if not out:
         raise ValueError("no rows")
     return out
@@ -214,6 +217,14 @@ def dynamic_job(presets, name: str, folder: str):
 
 
 def row_model(pack, cpn, job, extra: list, spec: dict):
+    """The row's model (``-nopin``: without the nodes' pin keeper, nodes/loaded.py)."""
+    m = _row_model(pack, cpn, job, extra, spec)
+    if not spec.get("pins", True):
+        importlib.import_module(pack.__name__ + ".nodes.loaded").keep_pins_on(m, False)
+    return m
+
+
+def _row_model(pack, cpn, job, extra: list, spec: dict):
     """The row's model: with ``extra`` (the estimate loader's CPU copies) as :func:`multigpu.row_model` makes it;
     without, the node makes the copies (ComfyUI's deep clones, reloaded from the model's file)."""
     if spec["mode"] == "1" or extra:
@@ -241,6 +252,32 @@ def record_loads(mm) -> None:
 
     model_load.offload_bench = True
     mm.LoadedModel.model_load = model_load
+
+
+PINS = collections.Counter()  # ComfyUI's pin_memory / unpin_memory calls since cleared: outcomes and callers
+
+
+def record_pins(mm) -> None:
+    """Count ``comfy.model_management.pin_memory``'s calls by outcome (pinned, refused: already pinned, not
+    contiguous, not on the CPU, other) and ``unpin_memory``'s by the ModelPatcher method that called it."""
+    real_pin, real_unpin = mm.pin_memory, mm.unpin_memory
+    if getattr(real_pin, "offload_bench", False):
+        return
+
+    def pin_memory(tensor):
+        why = ("already pinned" if tensor.is_pinned() else "not contiguous" if not tensor.is_contiguous()
+               else "not on the CPU" if tensor.device.type != "cpu" else None)
+        ok = real_pin(tensor)
+        PINS["pin: " + ("pinned" if ok else f"refused, {why or 'other'}")] += 1
+        return ok
+
+    def unpin_memory(tensor):
+        callers = [f.name for f in traceback.extract_stack(limit=6)[:-1]]
+        PINS["unpin from " + " < ".join(reversed(callers[-3:]))] += 1
+        return real_unpin(tensor)
+
+    pin_memory.offload_bench = True
+    mm.pin_memory, mm.unpin_memory = pin_memory, unpin_memory
 
 
 def budgets(loads) -> dict:
@@ -487,6 +524,7 @@ def run_row(pack, e2e, cpn, job, extra, spec: dict, profiled: bool):
     """One row: (its result, its final latent on the CPU or None)."""
     r, lat, t0 = {"row": spec["row"]}, None, time.perf_counter()
     try:
+        PINS.clear()
         m = row_model(pack, cpn, job, extra, spec)
         e2e._sample(m, job, 1)  # warm-up: loads every GPU's model, tunes, loads kernels
         torch.cuda.synchronize()
@@ -497,7 +535,7 @@ def run_row(pack, e2e, cpn, job, extra, spec: dict, profiled: bool):
         latent, dt, whole = e2e._timed_sample(m, job)
         r.update(s_per_step=round(dt, 4), s_per_step_whole=round(whole, 4), **peaks(),
                  finite=bool(torch.isfinite(latent).all()), budget_gib=budgets(LOADS),
-                 gpus=[gpu_weights(p) for p in patchers(m)])
+                 gpus=[gpu_weights(p) for p in patchers(m)], pins=dict(PINS))
         lat = latent.float().cpu()
         if profiled:
             try:
@@ -516,12 +554,13 @@ def run_row(pack, e2e, cpn, job, extra, spec: dict, profiled: bool):
 
 
 def compare(rows: list, latents: dict) -> None:
-    """Each split row against the same backend on one GPU (s/step ratio, latent rel-L1), every row against unpatched
-    on one GPU."""
+    """Each split row against the same backend on one GPU (s/step ratio, latent rel-L1; a ``-nopin`` row against the
+    ``1-nopin`` row where there is one), every row against unpatched on one GPU."""
     by = {r["row"]: r for r in rows if "s_per_step" in r}
     for r in by.values():
-        backend = r["row"].split(":", 1)[1]
-        one = by.get(f"1:{backend}")
+        mode, backend = r["row"].split(":", 1)
+        one = by.get(f"1-nopin:{backend}") if mode.endswith("-nopin") else None
+        one = one or by.get(f"1:{backend}")
         if one is not None and one is not r:
             r["vs_1gpu"] = round(one["s_per_step"] / r["s_per_step"], 3)
             r["whole_vs_1gpu"] = round(one["s_per_step_whole"] / r["s_per_step_whole"], 3)
@@ -614,6 +653,8 @@ def main(argv=None) -> int:
     ap.add_argument("--json"), ap.add_argument("--md")
     a = ap.parse_args(argv)
     t_start = time.perf_counter()
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    logging.getLogger("patch_attention").setLevel(logging.INFO)  # what the nodes say (the pin keeper's pins)
     try:
         specs = parse_rows(a.rows)
     except ValueError as e:
@@ -644,6 +685,7 @@ def measure(a, specs, profiled, card, pack, e2e, cpn, folder, t_start) -> int:
 
     presets = importlib.import_module(pack.__name__ + ".measure.presets")
     record_loads(mm)
+    record_pins(mm)
     t0 = time.perf_counter()
     if a.loader == "estimate":
         job = estimate_job(presets, a.preset)
