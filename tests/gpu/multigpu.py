@@ -367,6 +367,16 @@ def diagnose(pack, e2e, job, extra, backend, say):
     return report
 
 
+def write_results(a, res: dict, md) -> None:
+    """``res`` to ``--json`` and ``md()`` (the table) to ``--md``, where given."""
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1)
+    if a.md:
+        with open(a.md, "w") as f:
+            f.write(md())
+
+
 def render(meta, rows) -> str:
     lines = [f"{meta['gpus']} · torch {meta['torch']} · ComfyUI {meta['comfyui']} · {meta['date']} · {meta['preset']}, "
              f"CFG {meta['cfg']}, {meta['steps']} euler steps after a 1-step warm-up, random bf16 weights", "",
@@ -415,12 +425,7 @@ def main(argv=None):
     res = {"meta": meta, "rows": [], "diagnose": []}
 
     def save():
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        if a.md:
-            with open(a.md, "w") as f:
-                f.write(render(meta, [r for r in res["rows"]]))
+        write_results(a, res, lambda: render(meta, res["rows"]))
 
     for b in [x for x in a.diagnose.split(",") if x]:
         res["diagnose"].append(diagnose(pack, e2e, job, extra, b, say))

@@ -708,12 +708,7 @@ def measure(a, specs, profiled, card, pack, e2e, cpn, folder, t_start) -> int:
     res, latents = {"meta": meta, "rows": []}, {}
 
     def save():
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(res, f, indent=1)
-        if a.md:
-            with open(a.md, "w") as f:
-                f.write(render(meta, res["rows"]))
+        MG.write_results(a, res, lambda: render(meta, res["rows"]))
 
     save()
     for spec in specs:
