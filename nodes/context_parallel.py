@@ -44,8 +44,8 @@ from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
 from .handoff import Handoff
-from .loaded import keep_pins_on
 from .hook import COMPILE_KEY, OVERRIDE_KEY, SharedWrapper, bind, host_function, take
+from .loaded import keep_pins_on
 from .progress import executing_node
 
 log = logging.getLogger("patch_attention.parallel")

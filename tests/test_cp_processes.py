@@ -145,7 +145,7 @@ def test_a_graphed_forward_keys_on_its_tensors_and_runs_a_control_dict_eagerly()
     from multigpu_procs import GraphedForward
 
     class Model:
-        def _forward(self, x, timestep, context, y=None, control=None, transformer_options={}, **kwargs):
+        def _forward(self, x, timestep, context, y=None, control=None, transformer_options=None, **kwargs):
             return x * 2
 
     class Executor:  # what ComfyUI's WrapperExecutor gives a wrapper: the original bound method, callable

@@ -12,7 +12,6 @@ import os
 import sys
 
 import pytest
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
