@@ -69,7 +69,12 @@ class KeepPins:
         out = executor(model, *args, **kwargs)
         t0 = time.perf_counter()
         for p in (model, *model.get_additional_models_with_key("multigpu")):
-            n = repin(p)
+            try:
+                n = repin(p)
+            except Exception as e:  # pinning is a speed-up: a model it fails on samples as ComfyUI loaded it
+                log.warning("Patch Attention: could not pin the offloaded weights of %s on %s again (%s: %s)",
+                            type(p.model).__name__, p.load_device, type(e).__name__, e)
+                continue
             if n:
                 self.repinned += n
                 log.info("Patch Attention: pinned %d offloaded weights of %s on %s again (%.2f s): a freed patcher of "

@@ -123,3 +123,23 @@ def test_both_nodes_put_the_wrapper_on_their_clone_and_disabled_takes_it_off(com
     assert keepers(pack.nodes.patch.patch_model(patched, "disabled")) == []
     split = cpn.context_parallel(base, simulate=2)
     assert [type(w).__name__ for w in keepers(split)] == ["KeepPins"]
+
+
+def test_a_failing_pin_is_logged_and_the_run_goes_on(comfy_pins, monkeypatch, caplog):
+    import logging
+
+    import comfy.model_patcher
+
+    pack, _, _ = comfy_pins
+    loaded = sys.modules[pack.__name__ + ".nodes.loaded"]
+    m, model, key = _with_copy()
+    model.model_lowvram = True
+    model.diffusion_model.img_in.prev_comfy_cast_weights = False
+
+    def refuse(self, k):
+        raise RuntimeError("no pinning here")
+
+    monkeypatch.setattr(comfy.model_patcher.ModelPatcher, "pin_weight_to_device", refuse)
+    with caplog.at_level(logging.WARNING, logger="patch_attention"):
+        assert loaded.KeepPins()(lambda model, *a, **k: "prepared", m) == "prepared"
+    assert "could not pin the offloaded weights of Flux" in caplog.text and "no pinning here" in caplog.text
