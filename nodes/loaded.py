@@ -86,8 +86,9 @@ def repin(patcher) -> int:
     """Pin again, through ``patcher``, the weights of its model's offloaded modules (ComfyUI's partial load) that are
     on the CPU unpinned; how many (0 for a model loaded whole)."""
     model = getattr(patcher, "model", None)
-    if not getattr(model, "model_lowvram", False) or getattr(patcher, "is_dynamic", lambda: False)():
-        return 0  # loaded whole, or dynamic VRAM's patcher (it pins as it streams)
+    if not getattr(model, "model_lowvram", False) or not hasattr(patcher, "pin_weight_to_device") \
+            or getattr(patcher, "is_dynamic", lambda: False)():
+        return 0  # loaded whole, a ComfyUI that pins nothing, or dynamic VRAM's patcher (it pins as it streams)
     n = 0
     for name, module in model.named_modules():
         if not hasattr(module, "prev_comfy_cast_weights"):  # not offloaded by ComfyUI's partial load

@@ -141,8 +141,12 @@ def test_a_graphed_forward_keys_on_its_tensors_and_runs_a_control_dict_eagerly()
     """tests/gpu/multigpu_procs.py's CUDA-graph wrapper: ComfyUI passes ``transformer_options`` positionally; a forward is
     keyed by its tensors' shapes (not by that dict), and one with ControlNet's dict runs eagerly (on the CPU here, no
     capture is reached: the first forwards of a shape run eagerly)."""
-    sys.path.insert(0, os.path.join(HERE, "gpu"))
-    from multigpu_procs import GraphedForward
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("gpu_multigpu_procs", os.path.join(HERE, "gpu", "multigpu_procs.py"))
+    procs = importlib.util.module_from_spec(spec)  # not tests/gpu on the path: its zoo.py would hide tests/zoo
+    spec.loader.exec_module(procs)
+    GraphedForward = procs.GraphedForward
 
     class Model:
         def _forward(self, x, timestep, context, y=None, control=None, transformer_options=None, **kwargs):

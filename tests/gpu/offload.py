@@ -46,6 +46,7 @@ import contextlib
 import datetime
 import gc
 import importlib
+import importlib.util
 import json
 import logging
 import os
@@ -60,8 +61,19 @@ import traceback
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import multigpu as MG  # noqa: E402
+
+
+def _sibling(name: str):
+    """tests/gpu/<name>.py as a module, without putting tests/gpu first on the path (its zoo.py would hide tests/zoo)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+MG = _sibling("multigpu")
 
 GIB = 2**30
 ROW = re.compile(r"(1|cp(?:-g(\d+))?)(-nopin)?:([^,:\s]+)$")
