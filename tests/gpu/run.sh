@@ -147,6 +147,15 @@
 #                  soak.md and soak.json, ComfyUI's log in soak-server.log; fails on a failed prompt or growth
 #                  (ComfyUI's server imports SQLAlchemy and alembic, which the GPU machine lacks: carry their wheels,
 #                  with Mako and greenlet, in $CARRY)
+#   prompts        whole prompts through ComfyUI's server, one GPU against several (tests/gpu/prompts.py): the
+#                  repository's API workflows on random bf16 model files in ComfyUI's layouts (tests/gpu/model_files.py,
+#                  cached in PROMPTS_MODELS, default /root/pa-models); PROMPTS_ROWS (default wan22-a14b,wan21-14b,flux-dev:
+#                  Wan 2.2 A14B 720p/81f 4 steps CFG 1 ~69 GB of files, Wan 2.1 14B 720p/81f 20 steps CFG 5 ~40 GB, Flux
+#                  dev 1024² 20 steps ~34 GB; one row per call in practice), PROMPTS_ROUNDS (default 2) timed prompts per
+#                  workflow after a warm-up, PROMPTS_LIMIT seconds (default 540: a row not expected to fit is listed as not
+#                  run), PROMPTS_STEPS=ROW=N (fewer steps, the row's extrapolated; Wan 2.1 at 20 steps does not fit a
+#                  call), PROMPTS_WARMUP_STEPS; s/prompt, the ratio and where the time went in prompts.md and prompts.json
+#                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
 #                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
 #                  on all: seconds (median of VAE_ROUNDS, default 3, after a warm-up), ratios, the largest difference of
@@ -558,6 +567,19 @@ stage_soak() {
   echo "tests/gpu/soak.py exit status $rc; every prompt in soak.txt and soak.md"
   grep -E "FAILED|Traceback|Error" "$OUT/soak.txt" | head -n 20
   head -n 16 "$OUT/soak.md" 2>/dev/null
+  return $(( rc != 0 ))
+}
+
+stage_prompts() {  # whole prompts, one GPU against several: one row per call in practice (PROMPTS_ROWS)
+  local limit=${PROMPTS_LIMIT:-540}
+  timeout $(( ${limit%.*} + 60 )) $PY tests/gpu/prompts.py --out "$OUT" --rows "${PROMPTS_ROWS:-wan22-a14b,wan21-14b,flux-dev}" \
+    --rounds "${PROMPTS_ROUNDS:-2}" --limit "$limit" --models "${PROMPTS_MODELS:-/root/pa-models}" \
+    ${PROMPTS_STEPS:+--steps "$PROMPTS_STEPS"} ${PROMPTS_WARMUP_STEPS:+--warmup-steps "$PROMPTS_WARMUP_STEPS"} \
+    > "$OUT/prompts.txt" 2>&1
+  local rc=$?
+  echo "tests/gpu/prompts.py exit status $rc; every prompt in prompts.txt and prompts.md, ComfyUI's log in prompts-server.log"
+  grep -E "^prompts |^model files:|Traceback|Error" "$OUT/prompts.txt" | tail -n 40
+  sed -n '/^| row |/,/^## Every prompt/p' "$OUT/prompts.md" 2>/dev/null | head -n 30
   return $(( rc != 0 ))
 }
 

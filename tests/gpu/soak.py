@@ -129,26 +129,35 @@ def call(url: str, data=None, timeout: float = 10):
 
 
 def start(a, base: str, comfyui: str):
-    """ComfyUI's server in ``base`` (this pack, its test nodes and this file as custom nodes); (process, url)."""
-    nodes = os.path.join(base, "custom_nodes")
-    os.makedirs(nodes)
-    os.symlink(ROOT, os.path.join(nodes, "ComfyUI-PatchAttention"))
-    os.symlink(os.path.join(ROOT, "tests", "fixture_nodes"), os.path.join(nodes, "pa_test_fixtures"))
-    os.symlink(os.path.abspath(__file__), os.path.join(nodes, "pa_soak.py"))
+    """ComfyUI's server in ``base`` (this pack, its test nodes and this file as custom nodes, the tiny Wan file in its
+    models); (process, url)."""
     models = os.path.join(base, "models", "diffusion_models")
     os.makedirs(models)
     write_model(os.path.join(models, MODEL), comfyui)
+    # ComfyUI 0.33's default output cache keeps every prompt's outputs until the host runs short of RAM (a new seed each
+    # prompt: 8.4 MiB more per prompt, with or without this pack, measured); its LRU cache keeps the outputs of the last
+    # prompts (the models, the multi-GPU nodes' copies among them, as the default does), so what stays beyond them is
+    # what the prompts leave
+    return launch(a, base, comfyui, os.path.join(a.out, "soak-server.log"), ["--cache-lru", str(LRU)])
+
+
+def launch(a, base: str, comfyui: str, log_path: str, server_args=(), nodes=None, env=None):
+    """ComfyUI's main.py in ``base`` (``--base-directory``), its custom nodes this pack, its test nodes, this file (the
+    state route; ``a.cpu``: CPU mode seeing ``a.devices`` devices) and ``nodes`` (file name -> path), ``env`` added to
+    its environment, ``server_args`` to its arguments, its log to ``log_path``; (process, url) once it answers."""
+    nodes_dir = os.path.join(base, "custom_nodes")
+    os.makedirs(nodes_dir)
+    os.symlink(ROOT, os.path.join(nodes_dir, "ComfyUI-PatchAttention"))
+    os.symlink(os.path.join(ROOT, "tests", "fixture_nodes"), os.path.join(nodes_dir, "pa_test_fixtures"))
+    os.symlink(os.path.abspath(__file__), os.path.join(nodes_dir, "pa_soak.py"))
+    for name, path in (nodes or {}).items():
+        os.symlink(os.path.abspath(path), os.path.join(nodes_dir, name))
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    env = {**os.environ, "PA_SOAK": "1", "PA_SOAK_DEVICES": str(a.devices if a.cpu else 0)}
+    env = {**os.environ, "PA_SOAK": "1", "PA_SOAK_DEVICES": str(a.devices if a.cpu else 0), **(env or {})}
     cmd = [sys.executable, os.path.abspath(__file__), "--serve", "--listen", "127.0.0.1", "--port", str(port),
-           "--base-directory", base, "--disable-auto-launch", "--database-url", "sqlite:///:memory:",
-           # ComfyUI 0.33's default output cache keeps every prompt's outputs until the host runs short of RAM (a new
-           # seed each prompt: 8.4 MiB more per prompt, with or without this pack, measured); its LRU cache keeps the
-           # outputs of the last prompts (the models, the multi-GPU nodes' copies among them, as the default does), so
-           # what stays beyond them is what the prompts leave
-           "--cache-lru", str(LRU)]
+           "--base-directory", base, "--disable-auto-launch", "--database-url", "sqlite:///:memory:", *server_args]
     cmd += ["--cpu"] if a.cpu else []
     import importlib.util
 
@@ -158,7 +167,7 @@ def start(a, base: str, comfyui: str):
         with open(os.path.join(web, "index.html"), "w") as f:
             f.write("<html></html>")
         cmd += ["--front-end-root", web]
-    log = open(os.path.join(a.out, "soak-server.log"), "w")
+    log = open(log_path, "w")
     proc = subprocess.Popen(cmd, cwd=comfyui, stdout=log, stderr=subprocess.STDOUT, env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.time() + 180
@@ -169,7 +178,7 @@ def start(a, base: str, comfyui: str):
         except Exception:
             time.sleep(0.5)
     proc.kill()
-    raise SystemExit("soak: ComfyUI did not start (soak-server.log)")
+    raise SystemExit(f"soak: ComfyUI did not start ({os.path.basename(log_path)})")
 
 
 def node_inputs(url: str, node: str) -> dict:
@@ -213,23 +222,29 @@ def prompt(a, defaults: dict, k: int, mode: str, cfg: float, backend: str) -> di
 
 def run(url: str, p: dict, timeout: float) -> tuple[bool, str, float]:
     """Queue ``p`` and wait: (succeeded, the error ComfyUI reported, seconds)."""
+    ok, err, secs, _ = run_entry(url, p, timeout)
+    return ok, err, secs
+
+
+def run_entry(url: str, p: dict, timeout: float, client: str = "pa-soak") -> tuple[bool, str, float, dict | None]:
+    """:func:`run`, and the prompt's /history entry with its id as ``prompt_id`` (None: refused or not finished)."""
     t0 = time.time()
     try:
-        pid = call(url + "/prompt", {"prompt": p, "client_id": "pa-soak"})["prompt_id"]
+        pid = call(url + "/prompt", {"prompt": p, "client_id": client})["prompt_id"]
     except urllib.error.HTTPError as e:  # refused at validation
-        return False, e.read().decode(errors="replace")[:600], 0.0
+        return False, e.read().decode(errors="replace")[:600], 0.0, None
     while time.time() - t0 < timeout:
-        hist = call(f"{url}/history/{pid}")
-        status = hist.get(pid, {}).get("status", {})
+        entry = call(f"{url}/history/{pid}").get(pid)
+        status = (entry or {}).get("status", {})
         if status.get("completed"):
-            return True, "", time.time() - t0
+            return True, "", time.time() - t0, {**entry, "prompt_id": pid}
         if status.get("status_str") == "error":
             err = [m[1] for m in status.get("messages", []) if m[0] == "execution_error"]
             e = err[0] if err else {}
             return False, f"{e.get('node_type')}: {e.get('exception_type')}: {e.get('exception_message', '')}"[:600], \
-                time.time() - t0
+                time.time() - t0, {**entry, "prompt_id": pid}
         time.sleep(0.05)
-    return False, f"not finished in {timeout:.0f} s", time.time() - t0
+    return False, f"not finished in {timeout:.0f} s", time.time() - t0, None
 
 
 def plan(a) -> list[tuple[str, float, str]]:

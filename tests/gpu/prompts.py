@@ -1,0 +1,709 @@
+"""Whole prompts through ComfyUI's server, one GPU against several: seconds per prompt, from POST /prompt to its
+entry in /history, for what a user runs.
+
+    python tests/gpu/prompts.py --out DIR [--rows wan22-a14b,wan21-14b,flux-dev] [--rounds 2] [--limit 540]
+                                [--models /root/pa-models] [--steps wan21-14b=4] [--order alternate|grouped]
+    python tests/gpu/prompts.py --out DIR --cpu --devices 2 --rounds 1     # the same path on a machine without GPUs
+
+Rows (this repository's API workflows, workflows/api, used as they are: only the model files' names, the sizes, the
+steps, the CFG and the seeds changed):
+
+  wan22-a14b  Wan 2.2 A14B t2v, 1280x720, 81 frames, 4 steps (2 high-noise + 2 low-noise: the template's two
+              KSamplerAdvanced, their boundary kept at half the steps), CFG 1.  Several GPUs: "Wan 2.2 A14B video on
+              several GPUs.json"; one GPU: the same without its several-GPU nodes (Context Parallel bypassed, VAE
+              Decode (several GPUs) as ComfyUI's VAE Decode: the repository has no one-GPU A14B workflow).  The
+              template has no Patch Attention node: ComfyUI's own attention.
+  wan21-14b   Wan 2.1 14B t2v, 1280x720, 81 frames, 20 steps, CFG 5.  One GPU: "Wan 2.1 video 480p 81 frames.json",
+              several GPUs: "Wan 2.1 video on several GPUs.json" (both with the 14B file in place of the 1.3B one;
+              both with Patch Attention's auto, as the templates have it, and so has Flux's).
+  flux-dev    Flux.1 dev, 1024x1024, 20 steps, guidance 3.5, CFG 1.  One GPU: "Flux.1 dev image 1024px.json"; several
+              GPUs: the same with the Context Parallel node (its defaults) before the sampler.  At 1024² (4,096 image
+              tokens) the node keeps each forward on one GPU (shorter than its MIN_SPLIT_TOKENS): the honest number
+              is one GPU's, plus whatever the node costs.
+The report says where the one-GPU and several-GPU workflows differ beyond those nodes (expected: nowhere).
+
+Model files: random bf16 weights in ComfyUI's own layouts, full size (tests/gpu/model_files.py: keys and shapes from
+ComfyUI's classes, so its detection finds them), cached under --models and linked into the server's model folders.
+On disk: wan22-a14b ~69 GB (two 14B experts, umT5-XXL, the VAE), wan21-14b ~40 GB (with wan22-a14b's umT5 and VAE:
+~29 GB more), flux-dev ~34 GB: ~132 GB together, more than a 128 GiB disk leaves; one row per call, the other rows'
+files removed when the disk is short (--no-evict keeps them and skips the row).  The templates name fp8 files for Wan 2.2 and
+umT5: these are bf16 (ComfyUI loads them as it would its bf16 releases).
+
+The server: tests/gpu/soak.py's (its ComfyUI main.py in a temporary base directory, this pack and its test nodes as
+custom nodes, soak.py's state route: host RSS and per-GPU memory after each prompt), with this file as a custom node
+too (each node's start as ComfyUI announces it, "executing", and the samplers' "progress", timed in the server).
+One server process sees every GPU and runs both workflows (--order alternate: one GPU, several GPUs, in turn;
+grouped: every one-GPU prompt first): what a user with two GPUs compares.  The one-GPU workflow runs on the first
+GPU, ComfyUI's device, while the others idle (they may still hold the several-GPU prompts' copies, as they would for
+that user); ComfyUI's default cache (--cache-lru N: its LRU cache).  After a warm-up prompt per workflow (loading,
+the multi-GPU nodes' copies, tuning; --warmup-steps: fewer steps for it, at least one per sampler), --rounds timed
+prompts per workflow, each with a new seed: the text encoders' outputs stay cached between prompts as they do for a
+user who changes the seed.
+
+Per prompt: seconds from ComfyUI's history entry (its execution_start and execution_success timestamps; the wall
+clock from POST to the entry where they are missing), where they went (text encode, sampling with s/step from the
+progress messages, VAE decode, save, the rest: loaders, Patch Attention, Context Parallel), the server's memory after.
+Per row: the median of the timed prompts per workflow, the ratio one GPU / several GPUs (above 1: several faster), the
+same per phase; with --steps below the row's, also the prompt at the row's steps, extrapolated with the measured
+s/step.  Results: DIR/prompts.json and DIR/prompts.md (rewritten after every prompt), ComfyUI's log in
+DIR/prompts-server.log.  Exit status 1 when a prompt failed (not one the limit interrupted).
+
+--limit (seconds, the whole run): a row whose warm-ups and one round are not expected to fit what is left (rough
+figures for one H100: Wan 14B 720p ~10 s/step at CFG 1, 20 at CFG 5, its VAE decode and save ~60 s; Flux ~0.18
+s/step; files written at ~1 GB/s) is listed as not run, with why; within a row, a prompt not expected to fit (the
+last timed prompt of its workflow, or its warm-up without the loaders and text encoders) ends the row's rounds; a
+prompt still running at the limit is interrupted.
+
+--cpu --devices N: ComfyUI in CPU mode seeing N devices (soak.py's), tiny model configurations (model_files.py --tiny;
+ComfyUI's text encoder classes built tiny by this file in the server), 2 steps, 128x128 (5 frames): the same client,
+server, workflows and nodes, Context Parallel split from 0 tokens and VAE Decode (several GPUs) spread over N threads
+on the CPU (the pack's simulated devices; on the CPU it otherwise decodes on one).  What only GPUs check: the times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import datetime
+import importlib
+import importlib.util
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+
+HERE = os.path.dirname(os.path.realpath(__file__))  # this file, also where ComfyUI loads it through a link
+ROOT = os.path.dirname(os.path.dirname(HERE))
+WORKFLOWS = os.path.join(ROOT, "workflows", "api")
+CLIENT = "pa-prompts"
+MODES = ("one", "several")
+TIMELINE = ("executing", "progress", "execution_start", "execution_success", "execution_error",
+            "execution_interrupted")
+PHASES = {"CLIPTextEncode": "text", "KSampler": "sampling", "KSamplerAdvanced": "sampling", "VAEDecode": "decode",
+          "VAEDecodeMultiGPU": "decode", "SaveImage": "save", "SaveAnimatedWEBP": "save"}
+PHASE_ORDER = ("text", "sampling", "decode", "save", "other")
+CPU_STEPS = 2
+CPU_SIZE = {3: (128, 128, 5), 2: (128, 128)}
+WRITE_GBPS = 1.0  # the --limit estimate's disk
+WAN_TEXT = {"umt5_xxl_fp8_e4m3fn_scaled.safetensors": "umt5-xxl", "wan_2.1_vae.safetensors": "wan-vae"}
+
+
+@dataclass(frozen=True)
+class Row:
+    title: str
+    one: str | None  # the one-GPU API workflow (None: the several-GPU one without its several-GPU nodes)
+    several: str | None  # the several-GPU API workflow (None: the one-GPU one with Context Parallel before the sampler)
+    files: dict  # the workflow's model file -> model_files.py's name
+    steps: int
+    cfg: float
+    size: tuple  # width, height[, frames]
+    needs: tuple  # Python packages ComfyUI's tokenizers need beyond its start-up
+    est_step: float  # one H100, s/step at this CFG (the --limit estimate)
+    est_rest: float  # one H100, s/prompt beside sampling (decode, save)
+    est_load: float  # one H100, s more for a workflow's first prompt (loading, copies)
+    est_split: float  # sampling's expected speed-up over the GPUs
+
+
+ROWS = {
+    "wan22-a14b": Row("Wan 2.2 A14B t2v 720p (1280x720), 81 frames, 4 steps (2 high-noise + 2 low-noise), CFG 1",
+                      None, "Wan 2.2 A14B video on several GPUs.json",
+                      {"wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": "wan22-high",
+                       "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": "wan22-low", **WAN_TEXT},
+                      4, 1.0, (1280, 720, 81), ("sentencepiece",), 10.0, 60.0, 45.0, 1.8),
+    "wan21-14b": Row("Wan 2.1 14B t2v 720p (1280x720), 81 frames, 20 steps, CFG 5", "Wan 2.1 video 480p 81 frames.json",
+                     "Wan 2.1 video on several GPUs.json", {"wan2.1_t2v_1.3B_fp16.safetensors": "wan21-14b", **WAN_TEXT},
+                     20, 5.0, (1280, 720, 81), ("sentencepiece",), 20.0, 60.0, 45.0, 1.8),
+    "flux-dev": Row("Flux.1 dev 1024x1024, 20 steps, guidance 3.5, CFG 1", "Flux.1 dev image 1024px.json", None,
+                    {"flux1-dev.safetensors": "flux-dev", "clip_l.safetensors": "clip-l",
+                     "t5xxl_fp16.safetensors": "t5xxl", "ae.safetensors": "flux-ae"},
+                    20, 1.0, (1024, 1024), (), 0.18, 2.0, 30.0, 1.0),
+}
+
+
+# ---------------------------------------------------------------- inside the server (loaded as a custom node)
+
+def _install_server_side() -> None:
+    """The timeline route (each prompt's node starts and sampler progress, timed here), the CPU check's setup route
+    and, in the CPU check (PA_PROMPTS_TINY), ComfyUI's text encoder classes built tiny."""
+    from aiohttp import web
+    from server import PromptServer
+
+    srv = PromptServer.instance
+    events: dict = {}
+    send = srv.send_sync
+
+    def send_sync(event, data, sid=None):
+        if event in TIMELINE and isinstance(data, dict) and data.get("prompt_id"):
+            events.setdefault(data["prompt_id"], []).append(
+                [time.time(), event, data.get("node"), data.get("value"), data.get("max")])
+        return send(event, data, sid)
+
+    srv.send_sync = send_sync
+
+    @srv.routes.get("/pa_prompts/timeline/{pid}")
+    async def timeline(request):
+        return web.json_response(events.pop(request.match_info["pid"], []))
+
+    @srv.routes.post("/pa_prompts/setup")
+    async def setup(request):
+        return web.json_response(_simulated_vae_devices() if os.environ.get("PA_PROMPTS_TINY") == "1" else {})
+
+    if os.environ.get("PA_PROMPTS_TINY") == "1":  # in ComfyUI's server, a process of its own: its path is its own
+        sys.path.insert(0, HERE)
+        import comfy.sd1_clip as sc
+        import model_files
+
+        init = sc.SDClipModel.__init__
+
+        def tiny_init(self, *args, model_options=None, **kwargs):
+            init(self, *args, model_options=model_files.tiny_te_options(model_options), **kwargs)
+
+        sc.SDClipModel.__init__ = tiny_init
+
+
+def _simulated_vae_devices() -> dict:
+    """VAE Decode (several GPUs) on the CPU: its tiles over PA_SOAK_DEVICES threads (the pack's simulated devices,
+    as its CPU tests run it), where it would otherwise decode on the one CPU."""
+    import torch
+
+    n = int(os.environ.get("PA_SOAK_DEVICES", "0"))
+    init = os.path.join(ROOT, "__init__.py")
+    name = next(k for k, m in list(sys.modules.items()) if os.path.realpath(getattr(m, "__file__", None) or "") == init)
+    vae = importlib.import_module(name + ".nodes.vae")
+    if n > 1 and not getattr(vae.devices_for, "simulated", False):
+        devices_for = vae.devices_for
+
+        def simulated(v, gpus, simulate=0):
+            if not simulate and torch.device(v.device).type == "cpu":
+                simulate = min(gpus, n) if gpus > 0 else n
+            return devices_for(v, gpus, simulate)
+
+        simulated.simulated = True
+        vae.devices_for = simulated
+    return {"vae_devices": n}
+
+
+if __name__ != "__main__" and os.environ.get("PA_PROMPTS") == "1":
+    _install_server_side()
+NODE_CLASS_MAPPINGS: dict = {}
+
+
+# ---------------------------------------------------------------- the workflows
+
+def load_workflow(name: str) -> dict:
+    with open(os.path.join(WORKFLOWS, name)) as f:
+        return json.load(f)
+
+
+def without_multigpu(wf: dict) -> dict:
+    """``wf`` without its several-GPU nodes: each Context Parallel bypassed (its model goes straight on), VAE Decode
+    (several GPUs) as ComfyUI's VAE Decode."""
+    wf = copy.deepcopy(wf)
+    for nid in [n for n, v in wf.items() if v["class_type"] == "ContextParallel"]:
+        src = wf.pop(nid)["inputs"]["model"]
+        for v in wf.values():
+            for k, x in v["inputs"].items():
+                if x == [nid, 0]:
+                    v["inputs"][k] = src
+    for v in wf.values():
+        if v["class_type"] == "VAEDecodeMultiGPU":
+            v["class_type"] = "VAEDecode"
+            v["inputs"] = {k: v["inputs"][k] for k in ("samples", "vae")}
+            v["_meta"] = {"title": "VAEDecode"}
+    return wf
+
+
+def with_context_parallel(wf: dict, defaults: dict) -> dict:
+    """``wf`` with the Context Parallel node (``defaults``: its widgets) between each sampler and its model."""
+    wf = copy.deepcopy(wf)
+    nid = max(int(k) for k in wf) + 1
+    for v in [v for v in wf.values() if v["class_type"] in ("KSampler", "KSamplerAdvanced")]:
+        wf[str(nid)] = {"class_type": "ContextParallel", "inputs": {**defaults, "model": v["inputs"]["model"]},
+                        "_meta": {"title": "ContextParallel"}}
+        v["inputs"]["model"] = [str(nid), 0]
+        nid += 1
+    return wf
+
+
+def differences(one: dict, several: dict) -> list[str]:
+    """Where the two workflows differ beyond the several-GPU nodes (node ids and inputs)."""
+    a, b = ({k: (v["class_type"], v["inputs"]) for k, v in w.items()} for w in (one, without_multigpu(several)))
+    return [f"node {k}: {a.get(k)} / {b.get(k)}" for k in sorted(set(a) | set(b), key=int) if a.get(k) != b.get(k)]
+
+
+def workflows(row: Row, cp_defaults: dict) -> tuple[dict, list]:
+    """({"one": workflow, "several": workflow}, their differences beyond the several-GPU nodes)."""
+    several = load_workflow(row.several) if row.several else None
+    one = load_workflow(row.one) if row.one else without_multigpu(several)
+    several = several or with_context_parallel(one, cp_defaults)
+    return {"one": one, "several": several}, differences(one, several)
+
+
+def at_step(at: int, steps: int, new: int) -> int:
+    """A KSamplerAdvanced start/end step for ``new`` steps in place of ``steps`` (its share kept; 10000: the end)."""
+    return at if at >= steps else round(at * new / steps)
+
+
+def adapt(wf: dict, row: Row, names: dict, seed: int, steps: int, size: tuple) -> dict:
+    """``wf`` with the generated files (``names``: the workflow's file -> ours), ``size``, ``steps``, the row's CFG and
+    ``seed``; nothing else changed."""
+    wf, used = copy.deepcopy(wf), set()
+    for v in wf.values():
+        inp, ct = v["inputs"], v["class_type"]
+        for k, x in list(inp.items()):
+            if isinstance(x, str) and x in names:
+                inp[k] = names[x]
+                used.add(x)
+        if ct == "EmptyHunyuanLatentVideo":
+            inp.update(width=size[0], height=size[1], length=size[2])
+        elif ct in ("EmptySD3LatentImage", "EmptyLatentImage"):
+            inp.update(width=size[0], height=size[1])
+        elif ct == "KSampler":
+            inp.update(seed=seed, steps=steps, cfg=row.cfg)
+        elif ct == "KSamplerAdvanced":
+            n = inp["steps"]
+            inp.update(noise_seed=seed, steps=steps, cfg=row.cfg, start_at_step=at_step(inp["start_at_step"], n, steps),
+                       end_at_step=at_step(inp["end_at_step"], n, steps))
+    if used != set(names):
+        raise ValueError(f"the workflow names none of {', '.join(sorted(set(names) - used))}: the template changed")
+    return wf
+
+
+# ---------------------------------------------------------------- one prompt
+
+def node_times(events: list, prompt: dict) -> tuple[list, dict, list]:
+    """(each executed node's seconds, seconds per phase, each sampler's steps) from the server's timeline: a node runs
+    from its "executing" to the next one's (the last to the prompt's end)."""
+    starts = [(t, n) for t, ev, n, *_ in events if ev == "executing" and n is not None]
+    ends = [t for t, ev, *_ in events if ev in TIMELINE[3:]]
+    end = ends[0] if ends else (events[-1][0] if events else 0.0)
+    nodes = [{"node": n, "class": prompt.get(n, {}).get("class_type", "?"),
+              "start": t, "seconds": (starts[i + 1][0] if i + 1 < len(starts) else end) - t}
+             for i, (t, n) in enumerate(starts)]
+    phases = {p: 0.0 for p in PHASE_ORDER}
+    for x in nodes:
+        phases[PHASES.get(x["class"], "other")] += x["seconds"]
+    samplers = []
+    for x in (x for x in nodes if PHASES.get(x["class"]) == "sampling"):
+        prog = [(t, v) for t, ev, n, v, _ in events if ev == "progress" and n == x["node"] and x["start"] <= t]
+        per_step = None
+        if len(prog) >= 2 and prog[-1][1] > prog[0][1]:
+            per_step = (prog[-1][0] - prog[0][0]) / (prog[-1][1] - prog[0][1])
+        samplers.append({"node": x["node"], "seconds": x["seconds"], "steps": prog[-1][1] if prog else None,
+                         "s_per_step": per_step, "to_first_progress": prog[0][0] - x["start"] if prog else None})
+    return nodes, phases, samplers
+
+
+def timing(entry: dict | None, events: list, prompt: dict, wall: float) -> dict:
+    """Seconds (ComfyUI's history timestamps, else the wall clock) and where they went."""
+    msgs = {m[0]: m[1] for m in (entry or {}).get("status", {}).get("messages", [])}
+    start, done = msgs.get("execution_start", {}), msgs.get("execution_success", {})
+    if "timestamp" in start and "timestamp" in done:
+        seconds, source = (done["timestamp"] - start["timestamp"]) / 1000.0, "history"
+    else:
+        seconds, source = wall, "wall clock"
+    nodes, phases, samplers = node_times(events, prompt)
+    steps = [s["s_per_step"] for s in samplers if s["s_per_step"] is not None]
+    return {"seconds": seconds, "source": source, "cached": msgs.get("execution_cached", {}).get("nodes", []),
+            "phases": phases if nodes else {}, "s_per_step": statistics.mean(steps) if steps else None,
+            "samplers": samplers, "nodes": [{k: x[k] for k in ("node", "class", "seconds")} for x in nodes]}
+
+
+def run_prompt(soak, url: str, p: dict, timeout: float, log: ServerLog) -> dict:
+    """``p`` queued and waited for (interrupted at ``timeout``); its outcome, timing, what the nodes showed (their
+    canvas texts), what the multi-GPU nodes and ComfyUI's copies logged, and the server's state after."""
+    ok, err, wall, entry = soak.run_entry(url, p, timeout, CLIENT)
+    if not ok and entry is None and err.startswith("not finished"):
+        post(url + "/interrupt", {})
+        idle(soak, url, 120)
+    events = soak.call(f"{url}/pa_prompts/timeline/{entry['prompt_id']}") if entry else []
+    try:
+        state = soak.call(url + "/pa_soak/state")
+    except Exception:  # the server is gone
+        state = None
+    shown = {k: " ".join(map(str, v["text"]))[:300] for k, v in (entry or {}).get("outputs", {}).items() if "text" in v}
+    return {"ok": ok, "error": err, "wall": wall, **timing(entry, events, p, wall), "shown": shown,
+            "log": log.new(), "state": state}
+
+
+class ServerLog:
+    """The server's log since the last call: the lines of the multi-GPU nodes and of ComfyUI's per-GPU copies."""
+
+    KEEP = ("Context Parallel", "VAE Decode (several GPUs)", "deepclone", "memory leak")
+
+    def __init__(self, path: str):
+        self.path, self.offset = path, 0
+
+    def new(self) -> list[str]:
+        import re
+
+        with open(self.path, errors="replace") as f:
+            f.seek(self.offset)
+            text = f.read()
+            self.offset = f.tell()
+        lines = (re.sub(r"\x1b\[[0-9;]*m", "", line).strip() for line in text.splitlines())
+        return [line for line in lines if any(k in line for k in self.KEEP)]
+
+
+def post(url: str, data: dict) -> None:
+    """A POST whose answer has no body (ComfyUI's /interrupt and /free)."""
+    import urllib.request
+
+    req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=30) as r:
+        r.read()
+
+
+def idle(soak, url: str, seconds: float) -> None:
+    """Waits until ComfyUI's queue is empty."""
+    deadline = time.time() + seconds
+    while time.time() < deadline:
+        q = soak.call(url + "/queue")
+        if not q.get("queue_running") and not q.get("queue_pending"):
+            return
+        time.sleep(0.5)
+
+
+def free(soak, url: str) -> None:
+    """ComfyUI's models unloaded and its caches cleared (/free), as between rows: room for the next row's models."""
+    post(url + "/free", {"unload_models": True, "free_memory": True})
+    deadline = time.time() + 60
+    while time.time() < deadline and soak.call(url + "/pa_soak/state")["loaded"]:
+        time.sleep(0.5)
+
+
+# ---------------------------------------------------------------- a row
+
+def sequence(order: str, rounds: int) -> list[tuple[str, bool]]:
+    """(workflow, warm-up) of every prompt of a row."""
+    if order == "alternate":
+        return [(m, True) for m in MODES] + [(m, False) for _ in range(rounds) for m in MODES]
+    return [(m, w) for m in MODES for w in [True] + [False] * rounds]
+
+
+def estimate(a, row: Row, steps: int, missing: list) -> float:
+    """Seconds the row's files still to write, its warm-ups and one round are expected to take on one H100 (0 in the
+    CPU check: no figures for it)."""
+    if a.cpu:
+        return 0.0
+    mf = model_files()
+
+    def prompt(n, mode):
+        split = row.est_split if mode == "several" else 1.0
+        return n * row.est_step / split + row.est_rest / min(split, 1.5)
+
+    warm = a.warmup_steps or steps
+    return (sum(mf.SPECS[n].gb for n in missing) / WRITE_GBPS + 2 * row.est_load
+            + sum(prompt(warm, m) + prompt(steps, m) for m in MODES))
+
+
+def generate(a, names: list, comfyui: str, t_end: float) -> str:
+    """model_files.py for ``names``, in a process of its own (the GPU's memory is back when it ends); "" or why not."""
+    report = os.path.join(a.out, "model-files.json")
+    cmd = [sys.executable, os.path.join(HERE, "model_files.py"), "--models", a.models, "--only", ",".join(names),
+           "--report", report] + (["--tiny"] if a.cpu else []) + (["--evict"] if a.evict else [])
+    try:
+        r = subprocess.run(cmd, env={**os.environ, "COMFYUI_PATH": comfyui}, timeout=max(10.0, t_end - time.time()))
+    except subprocess.TimeoutExpired:
+        return "the model files were not written within the limit"
+    if r.returncode:
+        try:
+            with open(report) as f:
+                return json.load(f)["error"]
+        except (OSError, ValueError, KeyError):
+            return f"model_files.py exit status {r.returncode}"
+    return ""
+
+
+def prepare(a, soak, url: str, base: str, row: Row, steps: int, comfyui: str, t_end: float) -> str:
+    """The row's packages, time and files checked, its files made where missing and linked into the server's model
+    folders; "" or why the row is not run."""
+    mf = model_files()
+    lacking = [m for m in row.needs if importlib.util.find_spec(m) is None]
+    if lacking:
+        return f"{', '.join(lacking)} missing (ComfyUI's tokenizer for these files needs it: carry its wheel)"
+    names = sorted(set(row.files.values()))
+    missing = [n for n in names if not mf.cached(a.models, n, a.cpu)]
+    need, left = estimate(a, row, steps, missing), t_end - time.time()
+    if left < 15:
+        return f"the limit: {max(left, 0):.0f} s left"
+    if need > left:
+        return (f"expected ~{need:.0f} s for its files, warm-ups and one round at {steps} steps, {left:.0f} s left "
+                "(--limit; --steps ROW=N times fewer steps)")
+    if missing:
+        free(soak, url)  # the previous row's models out of the way of the generator and of the eviction
+        why = generate(a, missing, comfyui, t_end)
+        if why:
+            return why
+    for n in names:
+        spec = mf.SPECS[n]
+        dst = os.path.join(base, "models", spec.folder, spec.file)
+        if not os.path.lexists(dst):
+            os.symlink(os.path.join(os.path.abspath(a.models), spec.folder, spec.file), dst)
+    return ""
+
+
+def run_row(a, soak, url: str, base: str, name: str, t_end: float, ctx: dict) -> dict:
+    """One row: its prompts in :func:`sequence`'s order, the summary."""
+    row = ROWS[name]
+    steps = CPU_STEPS if a.cpu else a.steps.get(name, row.steps)
+    res = {"row": name, "title": row.title, "steps": steps, "row_steps": row.steps, "cfg": row.cfg,
+           "status": "not run", "reason": "", "prompts": []}
+    ctx["rows"].append(res)
+    res["reason"] = prepare(a, soak, url, base, row, steps, ctx["comfyui"], t_end)
+    if res["reason"]:
+        print(f"prompts {name}: not run: {res['reason']}", flush=True)
+        return res
+    if ctx["rows"][:-1]:
+        free(soak, url)
+    wfs, res["differences"] = workflows(row, ctx["cp_defaults"])
+    res["workflows"] = {"one": row.one or f"{row.several} without its several-GPU nodes",
+                        "several": row.several or f"{row.one} with Context Parallel before the sampler"}
+    names = {tpl: model_files().SPECS[n].file for tpl, n in row.files.items()}
+    size = CPU_SIZE[len(row.size)] if a.cpu else row.size
+    res["size"] = "x".join(map(str, size))
+    res["status"] = "running"
+    res["reason"] = run_prompts(a, soak, url, row, wfs, names, steps, size, t_end, res, ctx)
+    res["status"] = "partial" if res["reason"] else "done"
+    res["summary"] = summarize(res["prompts"], steps, steps if a.cpu else row.steps)
+    save(a, ctx)
+    return res
+
+
+def run_prompts(a, soak, url, row, wfs, names, steps, size, t_end, res, ctx) -> str:
+    """The row's prompts, each recorded as it ends; "" or why they stopped early."""
+    last = {}
+    for mode, warm in sequence(a.order, a.rounds):
+        samplers = sum(v["class_type"] == "KSamplerAdvanced" for v in wfs[mode].values())
+        n = max(a.warmup_steps, samplers) if warm and a.warmup_steps else steps
+        left = t_end - time.time()
+        if not warm and mode in last and last[mode] * 1.05 + 5 > left:
+            return f"the limit: the next {mode}-GPU prompt (~{last[mode]:.0f} s) would not fit the {left:.0f} s left"
+        ctx["seed"] += 1
+        p = adapt(wfs[mode], row, names, ctx["seed"], n, size)
+        r = run_prompt(soak, url, p, min(a.timeout, max(left, 1.0)), ctx["log"])
+        cut = not r["ok"] and r["error"].startswith("not finished") and left < a.timeout
+        rec = {"i": len(res["prompts"]), "mode": mode, "warmup": warm, "seed": ctx["seed"], "steps": n, **r,
+               "cut_by_limit": cut}
+        res["prompts"].append(rec)
+        save(a, ctx)
+        spent = " ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
+        outcome = "ok" if r["ok"] else "interrupted at the limit" if cut else "FAILED " + r["error"][:200]
+        print(f"prompts {res['row']} {rec['i']:2d} {mode:7s} {'warm-up' if warm else 'timed  '} {outcome} "
+              f"{r['seconds']:.1f} s ({r['source']}; {spent})", flush=True)
+        if cut:
+            return "the limit: a prompt still running was interrupted"
+        if not r["ok"]:
+            return "a prompt failed" if r["state"] is not None else "the server is gone"
+        once = r["phases"].get("text", 0.0) + r["phases"].get("other", 0.0) if warm else 0.0  # loaders, encoders
+        last[mode] = r["seconds"] - once
+    return ""
+
+
+def summarize(prompts: list, steps: int, row_steps: int) -> dict:
+    """Per workflow the timed prompts' medians (seconds, phases, s/step), its warm-up; the ratios one / several."""
+    def med(xs):
+        xs = [x for x in xs if x is not None]
+        return statistics.median(xs) if xs else None
+
+    out = {}
+    for mode in MODES:
+        timed = [p for p in prompts if p["mode"] == mode and not p["warmup"] and p["ok"]]
+        warm = [p["seconds"] for p in prompts if p["mode"] == mode and p["warmup"] and p["ok"]]
+        s = {"n": len(timed), "seconds": med([p["seconds"] for p in timed]), "times": [p["seconds"] for p in timed],
+             "phases": {ph: med([p["phases"].get(ph) for p in timed if p["phases"]]) for ph in PHASE_ORDER},
+             "s_per_step": med([p["s_per_step"] for p in timed]), "warmup_seconds": warm[0] if warm else None}
+        if steps != row_steps and s["seconds"] is not None and s["s_per_step"]:
+            s["at_row_steps"] = s["seconds"] + (row_steps - steps) * s["s_per_step"]
+        out[mode] = s
+    one, sev = out["one"], out["several"]
+    if one["seconds"] and sev["seconds"]:
+        out["ratio"] = one["seconds"] / sev["seconds"]
+        out["ratio_phases"] = {ph: one["phases"][ph] / sev["phases"][ph] for ph in PHASE_ORDER
+                               if one["phases"][ph] and sev["phases"][ph]}
+        if "at_row_steps" in one and "at_row_steps" in sev:
+            out["ratio_at_row_steps"] = one["at_row_steps"] / sev["at_row_steps"]
+    return out
+
+
+# ---------------------------------------------------------------- the report
+
+def save(a, ctx: dict) -> None:
+    with open(os.path.join(a.out, "prompts.json"), "w") as f:
+        json.dump({"meta": ctx["meta"], "rows": ctx["rows"]}, f, indent=1)
+    with open(os.path.join(a.out, "prompts.md"), "w") as f:
+        f.write(render(ctx["meta"], ctx["rows"]))
+
+
+def fmt(x, nd=1) -> str:
+    return "" if x is None else f"{x:.{nd}f}"
+
+
+def render(meta: dict, rows: list) -> str:
+    lines = ["# Whole prompts through ComfyUI's server: one GPU against several", "",
+             f"{meta['device']}, ComfyUI {meta['comfyui']}, torch {meta['torch']}, {meta['date']}; per workflow the "
+             f"median of up to {meta['rounds']} prompts after a warm-up prompt, a new seed each, workflows "
+             f"{meta['order']}; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
+             "starts as ComfyUI announced them (sampling includes loading the model to the GPU).", "",
+             "| row | workflow | prompts | s/prompt | text | sampling | s/step | VAE decode | save | other | "
+             "one GPU / several |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        sm = r.get("summary")
+        if not sm:
+            continue
+        for mode in MODES:
+            s, ph = sm[mode], sm[mode]["phases"]
+            ratio = f"x{sm['ratio']:.2f}" if mode == "several" and "ratio" in sm else ""
+            lines.append(f"| {r['title'] if mode == 'one' else ''} | {'one GPU' if mode == 'one' else 'several GPUs'}: "
+                         f"{r['workflows'][mode]} | {s['n']} | {fmt(s['seconds'])} | {fmt(ph['text'])} | "
+                         f"{fmt(ph['sampling'])} | {fmt(s['s_per_step'], 2)} | {fmt(ph['decode'])} | {fmt(ph['save'])} "
+                         f"| {fmt(ph['other'])} | {ratio} |")
+    lines += [""] + [line for r in rows for line in row_notes(r, meta["cpu"])]
+    lines += ["", "## Every prompt", "", "| row | # | workflow | warm-up | steps | seed | ok | s | source | sampling | "
+              "VAE decode | GPU memory used after (MiB) |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        for p in r["prompts"]:
+            gpus = " / ".join(f"{g['used'] / 2**20:.0f}" for g in (p["state"] or {}).get("gpus", []))
+            lines.append(f"| {r['row']} | {p['i']} | {p['mode']} | {'yes' if p['warmup'] else ''} | {p['steps']} | "
+                         f"{p['seed']} | {'yes' if p['ok'] else 'NO: ' + p['error'][:120]} | {p['seconds']:.1f} | "
+                         f"{p['source']} | {fmt(p['phases'].get('sampling'))} | {fmt(p['phases'].get('decode'))} | "
+                         f"{gpus} |")
+    return "\n".join(lines) + "\n"
+
+
+def row_notes(r: dict, meta_cpu: bool) -> list[str]:
+    """What the table does not say of a row: not run or cut short (and why), other steps, workflow differences."""
+    if r["status"] == "not run":
+        return [f"- {r['title']}: not run: {r['reason']}"]
+    out = [f"- {r['title']}: {r['size']}, {r['steps']} steps"
+           + (f" (the row's {r['row_steps']}{' at full size; this is the CPU check' if meta_cpu else ''})" if r["steps"] != r["row_steps"] else "")
+           + (f"; cut short: {r['reason']}" if r["reason"] else "")]
+    sm = r.get("summary", {})
+    if "ratio_at_row_steps" in sm:
+        out.append(f"  - at {r['row_steps']} steps, extrapolated with the measured s/step: one GPU "
+                   f"{sm['one']['at_row_steps']:.0f} s, several GPUs {sm['several']['at_row_steps']:.0f} s, "
+                   f"x{sm['ratio_at_row_steps']:.2f}")
+    if sm.get("ratio_phases"):
+        out.append("  - one GPU / several per phase: " + ", ".join(f"{k} x{v:.2f}" for k, v in sm["ratio_phases"].items()))
+    warm = [f"{m} {sm[m]['warmup_seconds']:.0f} s" for m in MODES if sm.get(m, {}).get("warmup_seconds") is not None]
+    if warm:
+        out.append("  - warm-up prompts (loading, copies): " + ", ".join(warm))
+    if r.get("differences"):
+        out.append("  - the workflows differ beyond the several-GPU nodes: " + "; ".join(r["differences"]))
+    return out
+
+
+# ---------------------------------------------------------------- main
+
+def _sibling(name: str):
+    """tests/gpu/<name>.py as a module, without putting tests/gpu first on the path (its zoo.py would hide tests/zoo)."""
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def model_files():
+    return _sibling("model_files")
+
+
+def load_soak():
+    return _sibling("soak")
+
+
+def arguments(argv):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--rows", default=",".join(ROWS), help=f"comma-separated, of {', '.join(ROWS)}")
+    ap.add_argument("--rounds", type=int, default=2, help="timed prompts per workflow after the warm-up")
+    ap.add_argument("--limit", type=float, default=0, help="seconds for the whole run (0: none)")
+    ap.add_argument("--models", help="the model files' cache (default /root/pa-models; --cpu: /root/pa-models/tiny)")
+    ap.add_argument("--steps", default="", help="ROW=N,...: fewer steps than the row's (the row's extrapolated)")
+    ap.add_argument("--warmup-steps", type=int, default=0, help="steps of the warm-up prompts (0: the timed ones')")
+    ap.add_argument("--order", choices=("alternate", "grouped"), default="alternate")
+    ap.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
+                    help="remove the other rows' cached files when the disk is short")
+    ap.add_argument("--cache-lru", type=int, default=0, help="ComfyUI's LRU cache of N outputs (0: its default)")
+    ap.add_argument("--timeout", type=float, default=3600, help="seconds a prompt may take")
+    ap.add_argument("--cpu", action="store_true", help="ComfyUI in CPU mode, tiny models (the check without GPUs)")
+    ap.add_argument("--devices", type=int, default=2, help="with --cpu: the devices ComfyUI sees")
+    a = ap.parse_args(argv)
+    a.rows = [r for r in a.rows.split(",") if r]
+    a.steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(",") if x)}
+    unknown = [r for r in a.rows + list(a.steps) if r not in ROWS]
+    if unknown:
+        ap.error(f"unknown rows: {', '.join(unknown)}")
+    a.models = a.models or ("/root/pa-models/tiny" if a.cpu else "/root/pa-models")
+    return a
+
+
+def describe(a, comfyui: str) -> dict:
+    sys.path.insert(0, comfyui)
+    import torch  # its version only: no CUDA in this process
+    from comfyui_version import __version__ as version
+
+    device = f"CPU ({a.devices} devices seen by ComfyUI)"
+    if not a.cpu:
+        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                               text=True).stdout.split("\n")
+        device = " + ".join(n.strip() for n in names if n.strip())
+    return {"device": device, "comfyui": version, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+            "rounds": a.rounds, "order": a.order, "limit": a.limit, "models": a.models, "cpu": a.cpu,
+            "warmup_steps": a.warmup_steps, "cache": f"LRU {a.cache_lru}" if a.cache_lru else "ComfyUI's default"}
+
+
+def bench(a, soak, url: str, base: str, comfyui: str, t_end: float) -> dict:
+    ctx = {"meta": describe(a, comfyui), "rows": [], "seed": 0, "comfyui": comfyui,
+           "log": ServerLog(os.path.join(a.out, "prompts-server.log"))}
+    ctx["meta"]["state_at_start"] = soak.call(url + "/pa_soak/state")  # also: on the CPU, splits from 0 tokens
+    post(url + "/pa_prompts/setup", {})
+    ctx["cp_defaults"] = soak.node_inputs(url, "ContextParallel")
+    if a.cpu:  # every row's tiny files at once: one ComfyUI import
+        mf = model_files()
+        names = sorted({n for r in a.rows for n in ROWS[r].files.values() if not mf.cached(a.models, n, True)})
+        why = generate(a, names, comfyui, t_end) if names else ""
+        if why:
+            raise SystemExit(f"prompts: {why}")
+    for name in a.rows:
+        run_row(a, soak, url, base, name, t_end, ctx)
+        save(a, ctx)
+    return ctx
+
+
+def main(argv=None) -> int:
+    a = arguments(argv)
+    t_end = time.time() + a.limit if a.limit else float("inf")
+    soak = load_soak()
+    comfyui = os.environ.get("COMFYUI_PATH") or os.path.join(ROOT, "..", "..")
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(a.models, exist_ok=True)
+    base = tempfile.mkdtemp(prefix="pa-prompts-")
+    for folder in {s.folder for s in model_files().SPECS.values()}:
+        os.makedirs(os.path.join(base, "models", folder))
+    env = {"PA_PROMPTS": "1", "PA_PROMPTS_TINY": "1" if a.cpu else "0", "PYTHONUNBUFFERED": "1"}
+    proc, url = soak.launch(a, base, comfyui, os.path.join(a.out, "prompts-server.log"),
+                            ["--cache-lru", str(a.cache_lru)] if a.cache_lru else [], {"pa_prompts.py": __file__}, env)
+    try:
+        ctx = bench(a, soak, url, base, comfyui, t_end)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(base, ignore_errors=True)
+    print(render(ctx["meta"], ctx["rows"]).split("\n## Every prompt")[0], flush=True)
+    return 1 if any(not p["ok"] and not p["cut_by_limit"] for r in ctx["rows"] for p in r["prompts"]) else 0
+
+
+if __name__ == "__main__":
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a runner's timeout: main's finally stops the server
+    sys.exit(main())

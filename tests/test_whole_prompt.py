@@ -1,0 +1,124 @@
+"""tests/gpu/prompts.py on the CPU: ComfyUI's server in CPU mode seeing two devices runs every row's one-GPU and
+several-GPU workflow (this repository's API workflows) on tiny random-weight files that tests/gpu/model_files.py wrote
+in ComfyUI's own layouts.  Every prompt completes and is timed from ComfyUI's history; the several-GPU prompts ran the
+Context Parallel node (what it showed, its split or ComfyUI's copies for the second device) and, for Wan, VAE Decode
+(several GPUs) over both devices; the one-GPU prompts neither; the two workflows differ nowhere else; and ComfyUI's
+detection finds each file as the model it stands for, with no key missing or left over."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import re
+import sys
+
+import comfyui_support
+import pytest
+
+pytestmark = [pytest.mark.comfyui, pytest.mark.server]
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+SAMPLERS = {"wan22-a14b": 2, "wan21-14b": 1, "flux-dev": 1}
+DIFFUSION = {"wan21-14b": "WAN21_T2V", "wan22-high": "WAN21_T2V", "wan22-low": "WAN21_T2V", "flux-dev": "Flux"}
+TEXT = {"umt5-xxl": "T5_XXL", "t5xxl": "T5_XXL", "clip-l": "CLIP_L"}
+VAES = {"wan-vae": ("WanVAE", 3), "flux-ae": ("AutoencodingEngine", 2)}
+
+
+def gpu_module(name: str):
+    spec = importlib.util.spec_from_file_location(f"gpu_{name}", os.path.join(HERE, "gpu", f"{name}.py"))
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses look their module up
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory):
+    """Every row once: a warm-up and one timed prompt per workflow; (results, server log, models folder, out folder)."""
+    comfyui_support.comfy()  # skips where no ComfyUI is found
+    try:
+        import comfy.multigpu  # noqa: F401
+    except ImportError:
+        pytest.skip("the multi-GPU nodes need ComfyUI 0.33 or later")
+    pytest.importorskip("sentencepiece", reason="ComfyUI's umT5 tokenizer (and the umT5 file's) needs it")
+    out = tmp_path_factory.mktemp("prompts")
+    models = out / "models"
+    rc = gpu_module("prompts").main(["--out", str(out), "--cpu", "--devices", "2", "--rounds", "1",
+                                      "--models", str(models)])
+    res = json.load(open(out / "prompts.json"))
+    assert rc == 0, [(p["mode"], p["error"]) for r in res["rows"] for p in r["prompts"] if not p["ok"]]
+    return res, (out / "prompts-server.log").read_text(), str(models), out
+
+
+def test_every_prompt_of_every_row_completes_timed_by_comfyuis_history(run):
+    res, log, _, out = run
+    assert [r["row"] for r in res["rows"]] == list(SAMPLERS)
+    for r in res["rows"]:
+        assert r["status"] == "done", (r["row"], r["reason"])
+        ps = r["prompts"]
+        assert [(p["mode"], p["warmup"]) for p in ps] == [("one", True), ("several", True), ("one", False),
+                                                          ("several", False)]
+        assert all(p["ok"] and p["source"] == "history" and p["seconds"] > 0 for p in ps), r["row"]
+        assert all(p["phases"]["sampling"] > 0 and p["phases"]["decode"] > 0 for p in ps), r["row"]
+        assert all(sum(s["steps"] for s in p["samplers"]) == r["steps"] for p in ps), r["row"]  # progress seen
+        s = r["summary"]
+        assert s["one"]["n"] == s["several"]["n"] == 1 and s["ratio"] > 0
+    seeds = [p["seed"] for r in res["rows"] for p in r["prompts"]]
+    assert len(set(seeds)) == len(seeds)  # a new seed each prompt
+    for bad in ("unet missing", "unet unexpected", "clip missing", "Missing VAE keys", "left over keys"):
+        assert bad not in log
+    md = (out / "prompts.md").read_text()
+    assert "one GPU / several" in md and "not run" not in md
+
+
+def test_several_gpu_prompts_ran_the_multigpu_nodes_and_one_gpu_prompts_did_not(run):
+    res, _, _, _ = run
+    for r in res["rows"]:
+        assert r["differences"] == [], r["row"]  # the workflows differ only in the several-GPU nodes
+        n = SAMPLERS[r["row"]]
+        for p in r["prompts"]:
+            shown = [t for t in p["shown"].values() if "split over 2 GPUs" in t]  # Context Parallel's canvas text
+            split = [x for x in p["log"] if re.search(r"Context Parallel: (\d+) of \1 forwards split over 2 GPUs", x)]
+            copies = [x for x in p["log"] if re.search(r"deepclone of WAN21 for cpu:1", x)]
+            vae = [x for x in p["log"] if re.search(r"VAE Decode \(several GPUs\): \d+ tiles .* over 2 devices", x)]
+            if p["mode"] == "one":
+                assert not shown and not p["log"], (r["row"], p["log"])
+                continue
+            assert len(shown) == n, (r["row"], p["shown"])
+            if r["cfg"] == 1:
+                assert len(split) == n, (r["row"], p["log"])  # every forward split over both devices
+            else:
+                assert copies, (r["row"], p["log"])  # CFG 5: the conds on both devices (ComfyUI's copy on the second)
+            assert len(vae) == (0 if r["row"] == "flux-dev" else 1), (r["row"], p["log"])
+
+
+def test_the_files_are_detected_as_the_models_they_stand_for(run):
+    _, _, models, _ = run
+    import comfy.model_detection
+    import comfy.sd
+    import comfy.utils
+    import torch
+
+    mf = gpu_module("model_files")
+
+    def load(name):
+        spec = mf.SPECS[name]
+        sd, meta = comfy.utils.load_torch_file(os.path.join(models, spec.folder, spec.file), return_metadata=True)
+        assert mf.cached(models, name, True)
+        assert {t.dtype for k, t in sd.items() if k != "spiece_model"} == {torch.bfloat16}
+        return sd, meta
+
+    for name, cls in DIFFUSION.items():
+        sd, meta = load(name)
+        assert type(comfy.model_detection.model_config_from_unet(sd, "", metadata=meta)).__name__ == cls
+    for name, te in TEXT.items():
+        sd, _ = load(name)
+        assert comfy.sd.detect_te_model(sd) == getattr(comfy.sd.TEModel, te)
+        assert ("spiece_model" in sd) == (name == "umt5-xxl")  # umT5's tokenizer, as ComfyUI's umT5 files carry
+    for name, (cls, dims) in VAES.items():
+        sd, meta = load(name)
+        vae = comfy.sd.VAE(sd=sd, metadata=meta)
+        assert (type(vae.first_stage_model).__name__, vae.latent_channels, vae.latent_dim) == (cls, 16, dims)
+    made = mf.ensure(models, list(mf.SPECS), tiny=True, log=lambda _: None)
+    assert not any(m["made"] for m in made.values())  # a second call keeps the cache
