@@ -646,16 +646,7 @@ def arguments(argv):
 
 
 def describe(a, comfyui: str) -> dict:
-    sys.path.insert(0, comfyui)
-    import torch  # its version only: no CUDA in this process
-    from comfyui_version import __version__ as version
-
-    device = f"CPU ({a.devices} devices seen by ComfyUI)"
-    if not a.cpu:
-        names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
-                               text=True).stdout.split("\n")
-        device = " + ".join(n.strip() for n in names if n.strip())
-    return {"device": device, "comfyui": version, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
+    return {**load_soak().machine(a, comfyui), "date": datetime.date.today().isoformat(),
             "rounds": a.rounds, "order": a.order, "limit": a.limit, "models": a.models, "cpu": a.cpu,
             "warmup_steps": a.warmup_steps, "cache": f"LRU {a.cache_lru}" if a.cache_lru else "ComfyUI's default"}
 

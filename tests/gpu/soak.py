@@ -359,14 +359,11 @@ def main(argv=None) -> int:
     return 0 if v["failed"] == 0 and v["flat"] else 1
 
 
-def soak(a, url: str, comfyui: str):
-    """Every prompt of :func:`plan`, with the server's state after each; (rows, meta)."""
-    import datetime
-
-    defaults = {n: node_inputs(url, n) for n in ("PatchAttention", "ContextParallel")}
-    first = call(url + "/pa_soak/state")
+def machine(a, comfyui: str) -> dict:
+    """The devices the server runs on (nvidia-smi's names, or the CPU), ComfyUI's release and torch's, read without
+    CUDA in this process (its memory would count as the server's)."""
     sys.path.insert(0, comfyui)
-    import torch  # its version only: no CUDA in this process, its memory would count as the server's
+    import torch  # its version only
     from comfyui_version import __version__ as version
 
     device = f"CPU ({a.devices} devices seen by ComfyUI)"
@@ -374,8 +371,16 @@ def soak(a, url: str, comfyui: str):
         names = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
                                text=True).stdout.split("\n")
         device = " + ".join(n.strip() for n in names if n.strip())
-    meta = {"device": device, "comfyui": version, "torch": torch.__version__, "date": datetime.date.today().isoformat(),
-            "backends": a.backends, "cfgs": a.cfgs, "steps": a.steps, "size": "x".join(map(str, a.size)),
+    return {"device": device, "comfyui": version, "torch": torch.__version__}
+
+
+def soak(a, url: str, comfyui: str):
+    """Every prompt of :func:`plan`, with the server's state after each; (rows, meta)."""
+    import datetime
+
+    defaults = {n: node_inputs(url, n) for n in ("PatchAttention", "ContextParallel")}
+    first = call(url + "/pa_soak/state")
+    meta = {**machine(a, comfyui), "date": datetime.date.today().isoformat(), "backends": a.backends, "cfgs": a.cfgs, "steps": a.steps, "size": "x".join(map(str, a.size)),
             "state_at_start": first}
     rows = []
     for i, (mode, cfg, backend) in enumerate(plan(a)):
