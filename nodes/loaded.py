@@ -62,13 +62,10 @@ def drop_released() -> int:
 class KeepPins:
     """PREPARE_SAMPLING wrapper: once ComfyUI has loaded the run's models, their offloaded weights are pinned."""
 
-    def __init__(self):
-        self.repinned = 0  # offloaded weights this wrapper found unpinned and pinned again
-
     def __call__(self, executor, model, *args, **kwargs):
         out = executor(model, *args, **kwargs)
-        t0 = time.perf_counter()
         for p in (model, *model.get_additional_models_with_key("multigpu")):
+            t0 = time.perf_counter()
             try:
                 n = repin(p)
             except Exception as e:  # pinning is a speed-up: a model it fails on samples as ComfyUI loaded it
@@ -76,9 +73,9 @@ class KeepPins:
                             type(p.model).__name__, p.load_device, type(e).__name__, e)
                 continue
             if n:
-                self.repinned += n
                 log.info("Patch Attention: pinned %d offloaded weights of %s on %s again (%.2f s): a freed patcher of "
-                         "the model had unpinned them", n, type(p.model).__name__, p.load_device, time.perf_counter() - t0)
+                         "the model had unpinned them", n, type(p.model).__name__, p.load_device,
+                         time.perf_counter() - t0)
         return out
 
 

@@ -12,8 +12,9 @@ rank's share (its heads of this rank's tokens; the output back: its tokens of th
 (:meth:`~.context.RankContext.whole`, a shard made whole) move the posted tensor whole; ``like(peer, i)`` (given by the
 caller) is the shape of a peer's i-th tensor: the receiving buffers are made from it.  A swap goes as one batch of
 point-to-point operations, or (``collective=True``) as one ``all_to_all_single`` of a flat buffer, every tensor for a
-peer written into it once (what NCCL lets a CUDA graph capture: torch's point-to-point operations are not captured).  Plain Python values
-(:meth:`gather_objects`) go over ``objects``, a gloo group (no device sync).  A rank that fails cannot stop the others' waits: they end at the process group's timeout.
+peer written into it once (what NCCL lets a CUDA graph capture: torch's point-to-point operations are not captured).
+Plain Python values (:meth:`gather_objects`) go over ``objects``, a gloo group (no device sync).  A rank that fails
+cannot stop the others' waits: they end at the process group's timeout.
 """
 
 from __future__ import annotations

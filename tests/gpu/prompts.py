@@ -69,7 +69,6 @@ import importlib
 import importlib.util
 import json
 import os
-import shutil
 import signal
 import statistics
 import subprocess
@@ -685,12 +684,7 @@ def main(argv=None) -> int:
     try:
         ctx = bench(a, soak, url, base, comfyui, t_end)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        shutil.rmtree(base, ignore_errors=True)
+        soak.stop(proc, base)
     print(render(ctx["meta"], ctx["rows"]).split("\n## Every prompt")[0], flush=True)
     return 1 if any(not p["ok"] and not p["cut_by_limit"] for r in ctx["rows"] for p in r["prompts"]) else 0
 

@@ -343,12 +343,7 @@ def main(argv=None) -> int:
     try:
         rows, meta = soak(a, url, comfyui)
     finally:
-        proc.terminate()
-        try:
-            proc.wait(30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-        shutil.rmtree(base, ignore_errors=True)
+        stop(proc, base)
     v = verdict(a, rows, len(MODES) * len(a.cfgs) * len(a.backends))
     with open(os.path.join(a.out, "soak.json"), "w") as f:
         json.dump({"meta": meta, "verdict": v, "prompts": rows}, f, indent=1)
@@ -357,6 +352,16 @@ def main(argv=None) -> int:
         f.write(md)
     print("\n".join(md.splitlines()[:12 + len(v["errors"])]))
     return 0 if v["failed"] == 0 and v["flat"] else 1
+
+
+def stop(proc, base: str) -> None:
+    """The server stopped (killed if it does not end within 30 s) and its base directory removed."""
+    proc.terminate()
+    try:
+        proc.wait(30)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    shutil.rmtree(base, ignore_errors=True)
 
 
 def machine(a, comfyui: str) -> dict:
