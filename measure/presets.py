@@ -74,6 +74,19 @@ MODEL_PRESETS = {
                                "Wan 2.1 14B t2v, 480p, 33 frames, CFG batch"),
     "qwen-image": ModelPreset("QwenImage", QWEN_IMAGE, (1, 16, 1, 166, 166), (1, 256, 3584), None, 1.0,
                               "Qwen-Image, 1328x1328, CFG 1"),
+    # sizes between what splits and what does not (the Context Parallel node's floor)
+    "wan-1.3b-49f": ModelPreset("WAN21_T2V", WAN_1_3B, (1, 16, 13, 60, 104), (1, 512, 4096), None, 5.0,
+                                "Wan 2.1 1.3B t2v, 480p, 49 frames, CFG batch"),
+    "wan-1.3b-65f": ModelPreset("WAN21_T2V", WAN_1_3B, (1, 16, 17, 60, 104), (1, 512, 4096), None, 5.0,
+                                "Wan 2.1 1.3B t2v, 480p, 65 frames, CFG batch"),
+    "wan-14b-17f": ModelPreset("WAN21_T2V", WAN_14B, (1, 16, 5, 60, 104), (1, 512, 4096), None, 5.0,
+                               "Wan 2.1 14B t2v, 480p, 17 frames, CFG batch"),
+    "wan-14b-9f": ModelPreset("WAN21_T2V", WAN_14B, (1, 16, 3, 60, 104), (1, 512, 4096), None, 5.0,
+                              "Wan 2.1 14B t2v, 480p, 9 frames, CFG batch"),
+    "flux-dev-1536": ModelPreset("Flux", FLUX_DEV, (1, 16, 192, 192), (1, 512, 4096), 768, 1.0,
+                                 "Flux-dev, 1536x1536, guidance 3.5"),
+    "qwen-image-1664": ModelPreset("QwenImage", QWEN_IMAGE, (1, 16, 1, 208, 208), (1, 256, 3584), None, 1.0,
+                                   "Qwen-Image, 1664x1664, CFG 1"),
 }
 
 def model_config(cls, unet: dict) -> dict:

@@ -103,6 +103,8 @@
 #   multigpu-profile  one step of MG_PRESET (default wan-1.3b) with MG_BACKEND (default unpatched) under torch.profiler,
 #                  on one GPU and split (the top device operations of both GPUs)
 #   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
+#   multigpu-floor sizes between what splits and what does not (Wan 1.3B 49/65 frames, Wan 14B 17 frames, Flux 1536²,
+#                  Qwen-Image 1664²), one GPU against every forward split, unpatched and sage_fp8_sm90 (~9 min)
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   offload        Context Parallel against one GPU when the weights do not fit the card (tests/gpu/offload.py): a card of
 #                  OFFLOAD_CARD GiB (default 24; 0: none) emulated on every GPU (PyTorch's allocator capped, ComfyUI's
@@ -450,6 +452,16 @@ stage_multigpu-procs() {  # threads (the node today) against a process per GPU, 
       --rounds "${PROCS_ROUNDS:-2}" --cfg "${PROCS_CFG:-1}" --rows "$(IFS=,; echo "${prows[*]}")" \
       --json "$OUT/procs-$p.json" --md "$OUT/procs-$p.md" 2>&1 | grep -v "it/s\]" | tail -n 30
     [ "${PIPESTATUS[0]}" = 0 ] || status=1
+  done
+  return $status
+}
+stage_multigpu-floor() {  # where splitting starts to pay, under the node's threads, every forward split (FLOOR_PRESETS:
+  # preset=seconds, comma-separated; FLOOR_ROWS: the rows of each)
+  local x p status=0
+  for x in $(echo "${FLOOR_PRESETS:-wan-1.3b-49f=70,wan-1.3b-65f=70,flux-dev-1536=90,wan-14b-17f=110,qwen-image-1664=130}" | tr , ' '); do
+    p=${x%%=*}
+    MG_PRESET=$p MG_STEPS=${FLOOR_STEPS:-3} MG_ROUNDS=${FLOOR_ROUNDS:-2} MG_MIN_TOKENS=0 MG_LIMIT=${x#*=} \
+      MG_ROWS=${FLOOR_ROWS:-1:unpatched,cp:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90} stage_multigpu || status=1
   done
   return $status
 }
