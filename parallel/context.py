@@ -54,9 +54,10 @@ class RankContext:
         (cross-attention to text, to image tokens): a call is exchanged when its queries and keys both have a rank's
         length, so no rank's length may be one of them.  ``whole_queries``: the query lengths of calls from a sequence
         every rank holds whole to the split one (LTX-2's audio attending to the video): their keys and values are
-        gathered from every rank (:meth:`gathers`), and no rank's length may be one of them either.  Every rank decides
-        the same.  True: split; False on the first rank (it runs the forward alone), :class:`StopRank` on the
-        others."""
+        gathered from every rank (:meth:`gathers`), and no rank's length may be one of them either.  Below the group's
+        floors it runs whole: fewer tokens to split than ``min_tokens``, or less work per block over the whole sequence
+        than ``min_tflop`` for the model's ``work``.  Every rank decides the same.  True: split; False on the first
+        rank (it runs the forward alone), :class:`StopRank` on the others."""
         if self.split is not None:  # the same forward again (computed again after a NaN): the same split
             self.layout = self._layout
             return self.split
@@ -69,6 +70,8 @@ class RankContext:
         elif tokens < self.group.min_tokens:
             self.why = (f"{tokens:,} tokens to split, fewer than {self.group.min_tokens:,}: a step this short is faster on "
                         "one GPU (each GPU's share of the host's work runs under one Python lock)")
+        elif self._too_little_work(prefix + tokens + suffix):
+            self.why = self._work_floor(tokens, prefix, suffix)
         elif clash:
             self.why = (f"a GPU's share ({clash[0]} tokens) is as long as the text or image sequence it attends to, "
                         "so its attention calls could not be told apart")
@@ -81,6 +84,20 @@ class RankContext:
         self.others = frozenset(others)
         self.whole_queries = frozenset(whole_queries)
         return True
+
+    def _too_little_work(self, total: int) -> bool:
+        """A forward over ``total`` tokens (all of its sequence) does less work per block than the group's floor (a
+        few multiplications: the model's :class:`~.work.Work` is made once per model)."""
+        g = self.group
+        return g.work is not None and g.work.tflop_per_block(total) < g.min_tflop
+
+    def _work_floor(self, tokens: int, prefix: int, suffix: int) -> str:
+        """Why a forward below the group's work floor runs on one GPU: the tokens to split that would reach it."""
+        g = self.group
+        need = max(g.work.tokens_for(g.min_tflop) - prefix - suffix, 0)
+        with_ = f" with {g.attention}" if g.attention else ""
+        return (f"{tokens:,} tokens to split, fewer than the {need:,} that make a split pay for this model{with_}: a step "
+                "this short is faster on one GPU (each GPU's share of the host's work runs under one Python lock)")
 
     # ------------------------------------------------------------------ tensors
 

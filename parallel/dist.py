@@ -100,7 +100,7 @@ class ProcessGroupRanks:
     exchange_type = SentExchange  # what ulysses() exchanges an attention call with over these ranks
 
     def __init__(self, pg, device, objects=None, min_tokens: int = 0, align: int | None = None,
-                 collective: bool = False):
+                 collective: bool = False, work=None, min_tflop: float = 0.0, attention: str = ""):
         self.pg = pg
         self.collective = collective
         self.objects = objects if objects is not None else pg
@@ -109,6 +109,7 @@ class ProcessGroupRanks:
         self.ranks = [dist.get_global_rank(pg, r) for r in range(self.size)]
         self.devices = [torch.device(device)] * self.size  # a rank sees its own device only
         self.min_tokens = min_tokens
+        self.work, self.min_tflop, self.attention = work, min_tflop, attention  # as Group's
         self.align = ALIGN if align is None else align
         self.error: BaseException | None = None
 

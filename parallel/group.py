@@ -32,6 +32,8 @@ import threading
 
 import torch
 
+from .work import Work
+
 
 class GroupAborted(RuntimeError):
     """Another rank of the forward failed; its error is the one reported."""
@@ -43,7 +45,7 @@ class Group:
 
     def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0,
                  pitched: bool | None = None, align: int | None = None, staged: bool | None = None,
-                 words: bool | None = None):
+                 words: bool | None = None, work: Work | None = None, min_tflop: float = 0.0, attention: str = ""):
         self.devices = [torch.device(d) for d in devices]
         # strided shares cross between GPUs as 2-D copies (False: made contiguous first; None: PITCHED)
         self.pitched = PITCHED if pitched is None else pitched
@@ -54,6 +56,9 @@ class Group:
         # a rank's own strided share copied as 8-byte words where its rows allow (None: WORDS)
         self.words = WORDS if words is None else words
         self.min_tokens = min_tokens  # a forward with fewer tokens to split runs on the first rank alone
+        # a forward whose work per block (the model's ``work``, over its whole sequence) is below ``min_tflop`` runs on
+        # the first rank alone; ``attention``: the attention it runs, for the message saying so
+        self.work, self.min_tflop, self.attention = work, min_tflop, attention
         self.pipeline = pipeline  # parts of the heads per exchanged attention call (None: ulysses.PIPELINE_PARTS)
         self.size = len(self.devices)
         self._barrier = threading.Barrier(self.size, timeout=timeout)

@@ -16,7 +16,13 @@ Interface (:class:`Unit`):
   ``inner(args)`` runs the block (or the patch that was there before), ``ctx`` the rank's
   :class:`~..context.RankContext`; returns what ``inner`` returns;
 - ``patch_run(dm)`` (optional): changes to the diffusion model's modules for one sampling run, on every GPU's copy
-  (e.g. Wan's self-attention sending q and k while it computes v); returns the function that undoes them.
+  (e.g. Wan's self-attention sending q and k while it computes v); returns the function that undoes them;
+- ``shared_linears`` (optional, default ``("mod",)``): substrings of the qualified names of the block lists'
+  ``Linear`` modules that do not run once per token of the split sequence (modulation from the timestep, the text
+  stream, cross-attention's keys and values over the text): left out of the model's work;
+- ``work(dm)`` (optional): the model's :class:`~..work.Work` (its work per block, what the node's floor is measured
+  in), by default read off ``dm``'s block lists without the ``shared_linears`` (:func:`~..work.work_of`); computed once
+  per model.
 
 A model without a unit samples on one GPU (the node says why on the canvas, naming the model and the families that have
 one).  Adding a family is one module here with a :class:`Unit` subclass that names its diffusion-model ``classes``:
@@ -29,10 +35,13 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
+from ..work import Work, work_of
+
 
 class Unit:
     name = ""
     classes: tuple = ()
+    shared_linears: tuple = ("mod",)
 
     def block_keys(self, dm) -> list:
         raise NotImplementedError
@@ -42,6 +51,9 @@ class Unit:
 
     def patch_run(self, dm):
         return lambda: None
+
+    def work(self, dm) -> Work:
+        return work_of(dm, self.shared_linears, len(self.block_keys(dm)))
 
 
 def _units() -> list[Unit]:

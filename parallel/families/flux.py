@@ -29,6 +29,8 @@ from . import Unit
 class FluxUnit(Unit):
     name = "Flux.1/Flux.2"
     classes = ("Flux",)
+    # the modulation (double blocks' img_mod/txt_mod, single blocks' modulation) and the double blocks' text stream
+    shared_linears = ("_mod", "modulation", "txt_")
 
     def block_keys(self, dm) -> list:
         return ([("double_block", i) for i in range(len(dm.double_blocks))]

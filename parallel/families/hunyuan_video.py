@@ -26,6 +26,8 @@ from . import Unit
 class HunyuanVideoUnit(Unit):
     name = "HunyuanVideo 1.0/1.5"
     classes = ("HunyuanVideo",)
+    # Flux's blocks: the modulation (img_mod, txt_mod, the single blocks' modulation) and the double blocks' text stream
+    shared_linears = ("_mod", "modulation", "txt_")
 
     def block_keys(self, dm) -> list:
         return ([("double_block", i) for i in range(len(dm.double_blocks))]

@@ -93,6 +93,7 @@ def self_attention_masks(mask, tokens: int):
 class LTXVideoUnit(Unit):
     name = "LTX-Video"
     classes = ("LTXVModel",)
+    shared_linears = ("attn2.to_k", "attn2.to_v")  # cross-attention's keys and values over the text
 
     def block_keys(self, dm) -> list:
         return [("double_block", i) for i in range(len(dm.transformer_blocks))]
@@ -131,6 +132,11 @@ class LTX2Unit(Unit):
 
     name = "LTX-2"
     classes = ("LTXAVModel",)
+    # the text's keys and values (attn2, audio_attn2), the audio stream every GPU holds whole (its attention and
+    # feed-forward; audio-to-video's audio keys and values, video-to-audio's audio queries and output)
+    shared_linears = ("attn2.to_k", "attn2.to_v", "audio_attn1", "audio_attn2", "audio_ff", "audio_to_video_attn.to_k",
+                      "audio_to_video_attn.to_v", "video_to_audio_attn.to_q", "video_to_audio_attn.to_out",
+                      "video_to_audio_attn.to_gate")
 
     VIDEO = ("v_timestep", "v_cross_scale_shift_timestep", "v_cross_gate_timestep")
 

@@ -32,6 +32,8 @@ TZI = "timestep_zero_index"  # the forward's variable the block reads the latent
 class QwenImageUnit(Unit):
     name = "Qwen-Image"
     classes = ("QwenImageTransformer2DModel",)
+    # the modulation (img_mod, txt_mod) and the text stream (txt_mlp; the attention's add_q/k/v_proj and to_add_out)
+    shared_linears = ("_mod", "txt_", "add_", "to_add_out")
 
     def block_keys(self, dm) -> list:
         return [("double_block", i) for i in range(len(dm.transformer_blocks))]

@@ -24,6 +24,9 @@ from . import Unit
 class WanUnit(Unit):
     name = "Wan 2.1/2.2"
     classes = ("WanModel",)
+    # cross-attention's keys and values: over the text, and the CLIP image tokens (k_img, v_img; HuMo's audio
+    # cross-attention's too: audio_cross_attn.k/v); the modulation is a Parameter of each block, not a Linear
+    shared_linears = ("cross_attn.k", "cross_attn.v")
 
     def block_keys(self, dm) -> list:
         return [("double_block", i) for i in range(len(dm.blocks))]

@@ -108,6 +108,7 @@ class S2VUnit(WanVariantUnit):
 class DancerUnit(WanVariantUnit):
     name = "Wan 2.2 WanDancer"
     classes = ("WanDancerModel",)
+    shared_linears = (*WanUnit.shared_linears, "music_encoder")  # a block list over the music features
     whole_between = True
 
 
@@ -120,6 +121,7 @@ class AnimateUnit(WanVariantUnit):
 class VaceUnit(WanVariantUnit):
     name = "Wan 2.1 VACE"
     classes = ("VaceWanModel",)
+    shared_linears = (*WanUnit.shared_linears, "vace_blocks")  # every GPU runs the VACE blocks whole (not split)
     whole_between = True
     shared_between = True
 
