@@ -36,6 +36,7 @@ import concurrent.futures
 import logging
 import sys
 import threading
+import weakref
 
 import torch
 
@@ -43,6 +44,7 @@ from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
+from ..parallel.work import Work
 from .handoff import Handoff
 from .hook import COMPILE_KEY, OVERRIDE_KEY, SharedWrapper, bind, host_function, take
 from .loaded import keep_pins_on
@@ -154,19 +156,60 @@ def _seq_len(t, a) -> int:
 class ContextParallel:
     """One Context Parallel node's choice, shared by the clones of its model (and their GPUs' copies)."""
 
-    def __init__(self, unit, cfg_split: bool = False, simulate: int = 0, min_tokens: int = 0, note: str = "",
+    def __init__(self, unit, cfg_split: bool = False, simulate: int = 0, min_tokens: int | None = 0, note: str = "",
                  node: str | None = None):
         self.unit = unit
         self.cfg_split = cfg_split
         self.simulate = simulate  # tests: this many ranks on the model's own device, sharing its model
-        self.min_tokens = min_tokens  # shorter sequences run on one GPU (MIN_SPLIT_TOKENS)
+        # shorter sequences to split run on one GPU (0: none); None: forwards with less work per block than SPLIT_TFLOP
+        self.min_tokens = min_tokens
         self.note = note  # what the node shows on the canvas (split_model)
         self.node = node  # the node's id in ComfyUI's prompt (None outside ComfyUI's executor)
         self._lock = threading.Lock()
+        self._work = weakref.WeakKeyDictionary()  # diffusion model -> its Work, made once per model
         self.run = None  # the current sampling run (read by forwards in any thread)
 
     def __deepcopy__(self, memo):
         return self
+
+    def work(self, dm) -> Work | None:
+        """``dm``'s work per block (:meth:`~..parallel.families.Unit.work`), made once (for the node's note, or at the
+        first forward) and kept while the model lives; the GPUs' copies have the same shapes, so a forward asks for the
+        first GPU's.  None for a model with no weights in its blocks (no work floor then)."""
+        w = self._work.get(dm)
+        if w is None:
+            with self._lock:
+                w = self._work.get(dm)
+                if w is None:
+                    w = self._work[dm] = self.unit.work(dm)
+        return w if w.params else None
+
+    def floor(self, dm, topts: dict) -> dict:
+        """The floor of a forward of ``dm`` whose ``transformer_options`` are ``topts``, as :class:`Group` arguments:
+        the token floor where one is set, else ``dm``'s work floor for the attention the forward runs
+        (:func:`attention_of`)."""
+        if self.min_tokens is not None:
+            return {"min_tokens": self.min_tokens}
+        work = self.work(dm)
+        if work is None:
+            return {}
+        kind, name = attention_of(topts)
+        return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
+
+    def steps(self, dm) -> tuple[str, str]:
+        """Which steps of ``dm`` split, for the node's note: (which steps, what changes that), e.g. ("each step of
+        13,000 tokens or more", " (20,000 or more with Patch Attention's kernels)"); the tokens of the whole sequence
+        (text tokens held whole by every GPU counted with the split ones)."""
+        if self.min_tokens is not None:
+            return (f"each step of {self.min_tokens:,} tokens or more" if self.min_tokens else "each step"), ""
+        work = self.work(dm)
+        if work is None:
+            return "each step", ""
+        pack = work.tokens_for(SPLIT_TFLOP["pack"])
+        if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
+            return f"each step of {pack:,} tokens or more", ""
+        return (f"each step of {work.tokens_for(SPLIT_TFLOP['comfyui']):,} tokens or more",
+                f" ({pack:,} or more with Patch Attention's kernels)")
 
     def say(self, key: str, msg: str, show: bool = False) -> None:
         """``msg`` in the log once per sampling run (``key``: which message); with ``show``, also under the node's own
@@ -184,6 +227,30 @@ class ContextParallel:
         log.warning("%s: %s", NODE, msg)
         if lines:
             show_on_node(self.node, "\n".join(lines))
+
+
+def attention_of(topts: dict) -> tuple[str, str]:
+    """The attention a forward runs (its ``transformer_options``): which work floor it takes (a key of
+    :data:`SPLIT_TFLOP`) and its name for the messages.  "comfyui": ComfyUI's own PyTorch attention, no override under
+    the split's (Patch Attention "disabled" takes its own out); "pack" for anything else: a Patch Attention backend,
+    another node's override, ComfyUI started with another attention (--use-sage-attention, ...)."""
+    inner = topts.get(OVERRIDE_KEY)
+    if isinstance(inner, ContextParallelAttention):
+        inner = inner.inner
+    if inner is None:
+        return _host_attention()
+    backend = getattr(getattr(inner, "config", None), "backend", None)
+    if isinstance(backend, str):
+        return "pack", f"Patch Attention's {backend}"
+    return "pack", f"another node's attention ({type(inner).__name__})"
+
+
+def _host_attention() -> tuple[str, str]:
+    """:func:`attention_of` for ComfyUI's own attention function (picked at its start, by its flags)."""
+    name = getattr(host_function(), "__name__", "")
+    if name == "attention_pytorch":
+        return "comfyui", "ComfyUI's PyTorch attention"
+    return "pack", f"ComfyUI's {name}" if name else "ComfyUI's attention"
 
 
 def show_on_node(node: str | None, text: str) -> None:
@@ -318,8 +385,9 @@ class SplitForwardWrapper(_Wrapper):
         if why:
             cp.say(why, f"a forward runs on one GPU: {why}", show=True)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
-        group = Group([d for d, _ in ranks], min_tokens=cp.min_tokens)
-        keys = cp.unit.block_keys(ranks[0][1].diffusion_model)
+        dm = ranks[0][1].diffusion_model
+        group = Group([d for d, _ in ranks], **cp.floor(dm, topts))
+        keys = cp.unit.block_keys(dm)
         ctxs = [RankContext(group, r, cp.unit) for r in range(group.size)]
         for c in ctxs:
             c.last_key = keys[-1]
@@ -453,12 +521,33 @@ class OneGpuNotice(SharedWrapper):
         return executor(*args, **kwargs)
 
 
+# A forward splits over real GPUs only where its work per block (parallel/work.py: its matrix multiplies and its
+# self-attention over the whole sequence, in TFLOP) reaches this floor, by the attention it runs. Every GPU's thread runs
+# the whole model's Python under one interpreter lock, so a step's host work is done once per GPU: a forward with too
+# little work per block becomes host-bound when split. Faster kernels (Patch Attention's, ComfyUI started with sage or
+# flash attention) leave less GPU time to hide the host's in, and their calls cost more of it: they need more work.
+# Measured on 2x H100 80GB (ComfyUI 0.33.0, random bf16 weights, the node's threads, every forward split; one GPU's s/step
+# over the split's, TFLOP per block as Work.tflop_per_block gives it):
+#
+#   model, size                 tokens  TFLOP/block  ComfyUI's attention  sage_fp8_sm90
+#   Flux.1 dev 1024²             4,608     1.3           x0.83               x0.50
+#   Wan 2.1 1.3B 480p/33f       14,040     2.4           x1.40               x0.77
+#   Qwen-Image 1664²            11,072     4.0           x1.30               x0.89
+#   Flux.1 dev 1536²             9,728     3.4           x1.59               x1.06
+#   Wan 2.1 1.3B 480p/49f       20,280     4.2           x1.72               x0.82
+#   Wan 2.1 1.3B 480p/65f       26,520     6.5           x1.82               x1.34
+#   Wan 2.1 14B 480p/17f         7,800     5.9           x1.64               x1.22
+#   Wan 2.1 1.3B 480p/81f       32,760     9.3           x1.86               x1.43-1.73
+#   Wan 2.1 14B 480p/33f        14,040    12.4           x1.88               x1.85
+#
+# "comfyui": ComfyUI's own PyTorch attention, no attention override under the split's; "pack": anything else (only
+# sage_fp8_sm90 was measured: every other kernel takes its floor, the higher and safer one). tests/test_cp_floor.py
+# checks every row against these.
+SPLIT_TFLOP = {"comfyui": 2.0, "pack": 5.5}
 
-# A forward splits only sequences of at least this many tokens (the split part) over real GPUs. Every GPU's thread runs
-# the whole model's Python under one interpreter lock, so a step's host work is done once per GPU: a short sequence
-# becomes host-bound. Measured on 2x H100 (ComfyUI 0.33): Flux.1 dev at 1024² (4,096 image tokens) ran x0.50-0.92 of
-# one GPU split (its GPU time per GPU halved, the step did not); Wan 2.1 at 480p/81f (32,760) x1.72-1.85.
-MIN_SPLIT_TOKENS = 16384
+# A token floor for every node instead (the split part's tokens; 0: every forward splits, as tests/gpu/soak.py sets it);
+# None: the work floor above.
+MIN_SPLIT_TOKENS: int | None = None
 
 
 def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0, min_tokens: int | None = None):
@@ -469,9 +558,11 @@ def context_parallel(model, gpus: int = 0, cfg_split: bool = True, simulate: int
 def split_model(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0, min_tokens: int | None = None):
     """A clone of ``model`` whose sampling runs split each forward's tokens over ``gpus`` GPUs (0: all); with
     ``cfg_split``, conds run on separate groups of GPUs.  ``simulate``: tests, that many ranks on the model's device.
-    ``min_tokens``: forwards with fewer tokens to split run on one GPU and say so (None: :data:`MIN_SPLIT_TOKENS` on
-    GPUs, none when simulated).  Where it cannot split (no CUDA GPU, one GPU, a model family without a unit, ComfyUI
-    before 0.33, a model that cannot be copied) the clone says why when sampling starts.
+    ``min_tokens``: forwards with fewer tokens to split run on one GPU and say so (0: every forward splits); None: on
+    GPUs, forwards with less work per block than :data:`SPLIT_TFLOP` for the attention they run (or
+    :data:`MIN_SPLIT_TOKENS` where it is set), none when simulated.  Where it cannot split (no CUDA GPU, one GPU, a
+    model family without a unit, ComfyUI before 0.33, a model that cannot be copied) the clone says why when sampling
+    starts.
 
     Returns the clone and what the node shows on the canvas: what it splits over how many GPUs, or why it cannot."""
     import comfy.patcher_extension as pe
@@ -489,10 +580,12 @@ def split_model(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0,
         return m, why[:1].upper() + why[1:] + "."
     if min_tokens is None:
         min_tokens = 0 if simulate else MIN_SPLIT_TOKENS
-    steps = f"each step of {min_tokens:,} tokens or more" if min_tokens else "each step"
-    note = f"{unit.name}: {steps} split over {n} GPUs" + ("; above CFG 1, each prompt on half of them." if cfg_split else ".")
-    install(m, ContextParallel(unit, cfg_split, simulate, min_tokens, note, executing_node()))
-    return m, note
+    cp = ContextParallel(unit, cfg_split, simulate, min_tokens, node=executing_node())
+    steps, otherwise = cp.steps(model.model.diffusion_model)
+    cp.note = (f"{unit.name}: {steps} split over {n} GPUs{otherwise}"
+               + ("; above CFG 1, each prompt on half of them." if cfg_split else "."))
+    install(m, cp)
+    return m, cp.note
 
 
 def _gpus_here(gpus: int) -> tuple[int, str]:

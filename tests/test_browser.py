@@ -341,7 +341,8 @@ def test_context_parallel_says_on_the_node_why_it_does_not_split(browser):
     layout), then the line the node returns on this machine (no CUDA GPU here, as tests/test_context_parallel.py
     asserts for the Python side), drawn on the node and readable; a longer note sent while a prompt runs replaces it."""
     first = "No CUDA GPU here: Context Parallel needs two or more."
-    later = first + "\nA sampling run of 14,040 tokens ran on one GPU: the split starts at 16,384 tokens."
+    later = first + ("\nA forward of Wan 2.1/2.2 ran on one GPU: 14,040 tokens to split, fewer than the 23,896 that make a "
+                     "split pay for this model with Patch Attention's sage_fp8_sm90.")
     res = browser.execute_async_script(CONTEXT_PARALLEL_NOTE, first, later)
     assert "error" not in res, res.get("error")
     assert res["before"]["box"] is False

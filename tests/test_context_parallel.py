@@ -412,8 +412,9 @@ def test_patch_attention_is_the_local_kernel_in_either_order(zoo, order):
 
 @pytest.mark.comfyui
 def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zoo, caplog):
-    """Below ``min_tokens`` (MIN_SPLIT_TOKENS on GPUs: a short step is host-bound when split) a forward runs whole on
-    the first GPU: the one-GPU latent, no call exchanged, the reason logged once per run; at the limit it splits."""
+    """Below ``min_tokens`` (a token floor given to the node; by default the node's floor is the model's work per block:
+    tests/test_cp_floor.py) a forward runs whole on the first GPU: the one-GPU latent, no call exchanged, the reason
+    logged once per run; at the limit it splits."""
     z, mod, mappings = zoo
     cls, case = _case(z, "WAN21_T2V")
     base = z.build(cls, case)
@@ -428,7 +429,7 @@ def test_a_sequence_shorter_than_min_tokens_runs_on_one_gpu_and_says_why_once(zo
         out = z.sample(_split(mod, base, 2, min_tokens=tokens), case)
         assert counts and rel_l1(out, ref) < 1e-5
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    assert cpn.MIN_SPLIT_TOKENS == 16384
+    assert cpn.MIN_SPLIT_TOKENS is None  # no token floor for every node: the work floor (SPLIT_TFLOP)
 
 
 @pytest.mark.comfyui
@@ -862,9 +863,16 @@ def test_the_node_says_on_the_canvas_why_it_does_not_split_here(node_on, monkeyp
         import comfy.multigpu  # noqa: F401
     except ImportError:
         want = "Splitting a model over GPUs needs ComfyUI 0.33 or later (its MultiGPU model copies): one GPU."
-    else:
-        want = ("Flux.1/Flux.2: each step of 16,384 tokens or more split over 2 GPUs; above CFG 1, each prompt on half of "
-                "them.")
+    else:  # the work floor, in the tiny model's tokens (one floor where ComfyUI's attention is not its PyTorch one)
+        from comfyui_support import load_pack
+
+        mod, _ = load_pack()
+        cpn, dm = _cpn(mod), flux.model.diffusion_model
+        work = importlib.import_module(mod.__name__ + ".parallel.families").unit_for(dm).work(dm)
+        a, b = (work.tokens_for(cpn.SPLIT_TFLOP[k]) for k in ("comfyui", "pack"))
+        steps = (f"each step of {a:,} tokens or more split over 2 GPUs ({b:,} or more with Patch Attention's kernels)"
+                 if cpn._host_attention()[0] == "comfyui" else f"each step of {b:,} tokens or more split over 2 GPUs")
+        want = f"Flux.1/Flux.2: {steps}; above CFG 1, each prompt on half of them."
     assert node_on(flux, [cpu, cpu1])[1] == want
 
 

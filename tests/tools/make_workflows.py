@@ -409,7 +409,8 @@ CP_NOTE = (
     "81 frames, random weights): at CFG 5 (1.3B and 14B, 480p), a prompt per GPU ran x1.99 against one GPU with "
     "sage_fp8_sm90; at CFG 1 (a distilled LoRA) the split step ran x1.87-1.89 (14B, 480p; x1.81-1.86 on 2x H200) "
     "and x1.93-1.94 (14B, 720p); Wan 1.3B x1.8 with sage_fp8_sm90 or auto (x1.6-1.8 on 2x H200), held back by the "
-    "CPU, x1.88 with auto_exact. Images and clips shorter than 16,384 tokens stay on one GPU, where they ran faster. "
+    "CPU, x1.88 with auto_exact. Images and short clips stay on one GPU, where they ran faster (the node shows from "
+    "how many tokens this model splits). "
     "Needs ComfyUI 0.33 or later.\n\n" + VAE_MULTI_NOTE
 )
 

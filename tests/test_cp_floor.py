@@ -1,0 +1,326 @@
+"""The Context Parallel node's floor, by the model's work per block (parallel/work.py; nodes/context_parallel.py
+``SPLIT_TFLOP``): the arithmetic of :class:`Work`, the work read off ComfyUI's own model classes at full size (built on
+the meta device), every size measured on 2x H100 on its side of the floor for the attention it ran, and forwards through
+the node on two devices: below the floor on one GPU with the reason, at it split."""
+
+from __future__ import annotations
+
+import importlib
+import re
+import types
+
+import pytest
+import torch
+from pack import load
+
+P = load()
+W = importlib.import_module(P.__name__ + ".parallel.work")
+Work = W.Work
+
+# Full-size works (params, width, blocks): Flux.1 dev, Wan 2.1 1.3B and 14B, Qwen-Image; a tiny one; degenerate ones
+WORKS = [Work(57 * 12 * 3072**2, 3072, 57), Work(30 * (6 * 1536**2 + 2 * 1536 * 8960), 1536, 30),
+         Work(40 * (6 * 5120**2 + 2 * 5120 * 13824), 5120, 40), Work(60 * 12 * 3072**2, 3072, 60), Work(65536, 64, 2),
+         Work(0, 64, 1), Work(1000, 0, 3)]
+
+
+# ---------------------------------------------------------------- Work's arithmetic
+
+def test_a_blocks_work_is_its_matrix_multiplies_and_its_self_attention():
+    w = Work(params=1_000_000, width=64, blocks=4)
+    assert w.tflop_per_block(100) == (2 * 100 * 1_000_000 + 4 * 100 * 100 * 64 * 4) / 4 / 1e12
+    assert w.tflop_per_block(0) == 0
+    # Wan 2.1 1.3B at 480p/81f: 32,760 tokens, 1.25e9 weights per token, 30 blocks 1,536 wide
+    wan = WORKS[1]
+    assert wan.tflop_per_block(32760) == pytest.approx((2 * 32760 * 1.2504e9 + 4 * 32760**2 * 1536 * 30) / 30e12, rel=1e-4)
+
+
+@pytest.mark.parametrize("work", WORKS, ids=str)
+def test_tokens_for_is_the_smallest_sequence_that_does_that_much_work(work):
+    previous = 0
+    for tflop in (1e-12, 1e-9, 1e-6, 1e-3, 0.5, 1.0, 2.0, 3.3, 5.5, 9.63, 41.5, 100.0):
+        n = work.tokens_for(tflop)
+        assert work.tflop_per_block(n) >= tflop
+        assert n == 0 or work.tflop_per_block(n - 1) < tflop
+        assert n >= previous  # more work, as many tokens or more
+        previous = n
+    assert work.tokens_for(0) == 0 and work.tokens_for(-1.0) == 0
+    # a block's work grows with every token, and a sequence's own work gives back that sequence
+    for t in (1, 2, 3, 17, 4608, 7800, 14040, 32760, 75600):
+        assert work.tflop_per_block(t) > work.tflop_per_block(t - 1)
+        assert work.tokens_for(work.tflop_per_block(t)) == t
+
+
+def test_a_model_with_no_weights_in_its_blocks_has_no_token_count_for_work():
+    none = Work(0, 0, 4)
+    assert none.tflop_per_block(10_000) == 0 and none.tokens_for(0) == 0
+    with pytest.raises(ValueError, match="no work"):
+        none.tokens_for(1.0)
+
+
+# ---------------------------------------------------------------- work_of
+
+class _Block(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.q = torch.nn.Linear(8, 8)
+        self.mod = torch.nn.Linear(8, 48)  # from the timestep: once per sample
+        self.cross_k = torch.nn.Linear(16, 8)  # over the text
+        self.ffn = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.GELU(), torch.nn.Linear(32, 8))
+
+
+class _Toy(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.embed = torch.nn.Linear(4, 8)  # before the blocks: not a block list's
+        self.blocks = torch.nn.ModuleList(_Block() for _ in range(3))
+        self.extra = torch.nn.Sequential(torch.nn.ModuleList([torch.nn.Linear(8, 8)]))  # not a direct child
+        self.head = torch.nn.Linear(8, 4)
+
+
+def test_work_of_counts_the_block_lists_linears_but_the_shared_ones():
+    toy = _Toy()
+    assert W.work_of(toy, ("mod", "cross_k"), 3) == Work(3 * (8 * 8 + 8 * 32 + 32 * 8), 8, 3)
+    assert W.work_of(toy, (), 3) == Work(3 * (8 * 8 + 8 * 48 + 16 * 8 + 8 * 32 + 32 * 8), 8, 3)
+    assert W.work_of(torch.nn.Linear(8, 8), (), 1) == Work(0, 0, 1)  # no block list: no work known
+
+
+def test_work_of_reads_a_linears_features_not_its_weights_storage():
+    """A quantized weight (GGUF's, fp8's) may be stored in another shape: the Linear's features count; a Linear without
+    them gives its weight's logical shape (GGUF's ``tensor_shape``, else the weight's own)."""
+    toy = _Toy()
+    q = toy.blocks[0].q
+    q.weight = torch.nn.Parameter(torch.zeros(17, dtype=torch.uint8), requires_grad=False)  # packed: another shape
+    want = W.work_of(_Toy(), ("mod", "cross_k"), 3)
+    assert W.work_of(toy, ("mod", "cross_k"), 3) == want
+    del q.in_features, q.out_features
+    q.weight.tensor_shape = torch.Size([8, 8])  # [out, in]
+    assert W.work_of(toy, ("mod", "cross_k"), 3) == want
+    ffn = toy.blocks[1].ffn[0]
+    del ffn.in_features, ffn.out_features  # the weight itself, [32, 8]
+    assert W.work_of(toy, ("mod", "cross_k"), 3) == want
+
+
+# ---------------------------------------------------------------- ComfyUI's models at full size
+
+@pytest.fixture(scope="module")
+def comfy_pack():
+    from comfyui_support import comfy, load_pack
+
+    comfy()
+    mod, _ = load_pack()
+    return mod
+
+
+_BUILT = {}
+
+
+def _preset(mod, name):
+    """(preset, the diffusion model of its class at full size on the meta device, its unit)."""
+    import comfy.supported_models as sm
+
+    presets = importlib.import_module(mod.__name__ + ".measure.presets")
+    fam = importlib.import_module(mod.__name__ + ".parallel.families")
+    p = presets.MODEL_PRESETS[name]
+    cls = getattr(sm, p.model_class, None)
+    if cls is None:
+        pytest.skip(f"{p.model_class} is not in this ComfyUI")
+    key = (p.model_class, id(p.unet))
+    if key not in _BUILT:
+        dm = cls(presets.model_config(p.model_class, p.unet)).get_model({}, device="meta").diffusion_model
+        _BUILT[key] = (dm, fam.unit_for(dm))
+    dm, unit = _BUILT[key]
+    assert unit is not None, type(dm).__name__
+    return p, dm, unit
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name, want", [
+    # Flux.1 dev: 19 double blocks' image stream (qkv, proj, MLP: 12 x 3072² each) and 38 single blocks (linear1 and
+    # linear2: 12 x 3072² each); the modulation and the text stream left out
+    ("flux-dev", (57 * 12 * 3072**2, 3072, 57)),
+    # Wan 2.1: self-attention q, k, v, o, cross-attention q, o, the feed-forward; cross-attention's k and v left out
+    ("wan-1.3b", (30 * (6 * 1536**2 + 2 * 1536 * 8960), 1536, 30)),
+    ("wan-14b", (40 * (6 * 5120**2 + 2 * 5120 * 13824), 5120, 40)),
+    # Qwen-Image: 60 blocks' image stream (q, k, v, out, MLP: 12 x 3072²); the modulation and the text stream left out
+    ("qwen-image", (60 * 12 * 3072**2, 3072, 60)),
+])
+def test_the_work_of_comfyuis_own_models_at_full_size(comfy_pack, name, want):
+    _, dm, unit = _preset(comfy_pack, name)
+    work = unit.work(dm)  # (params, width, blocks): the pack as ComfyUI loaded it has a Work class of its own
+    assert (work.params, work.width, work.blocks) == want
+    if name == "wan-1.3b":
+        assert 1.25e9 <= work.params <= 1.39e9
+
+
+# The sizes measured on 2x H100 80GB (ComfyUI 0.33.0, random bf16 weights, every forward split): one GPU's s/step over
+# the split's, with ComfyUI's own attention and with Patch Attention's sage_fp8_sm90 (the lower end of a range).
+MEASURED = [  # preset, whole sequence (tokens), ComfyUI's attention, sage_fp8_sm90
+    ("flux-dev", 4608, 0.83, 0.50),
+    ("wan-1.3b-33f", 14040, 1.40, 0.77),
+    ("qwen-image-1664", 11072, 1.30, 0.89),
+    ("flux-dev-1536", 9728, 1.59, 1.06),
+    ("wan-1.3b-49f", 20280, 1.72, 0.82),
+    ("wan-1.3b-65f", 26520, 1.82, 1.34),
+    ("wan-14b-17f", 7800, 1.64, 1.22),
+    ("wan-1.3b", 32760, 1.86, 1.43),
+    ("wan-14b-33f", 14040, 1.88, 1.85),
+]
+PAYS = 1.1  # a split that gained less (Flux 1536² with sage_fp8_sm90: x1.06, within a run's noise) may stay on one GPU
+
+
+def _tokens(preset) -> tuple[int, int]:
+    """(tokens the unit splits, tokens every GPU holds whole) of a preset's forward: 2x2 patches of its latent; Flux's
+    and Qwen-Image's text tokens held whole."""
+    *_, h, w = preset.latent
+    if preset.model_class in ("Flux", "QwenImage"):
+        return (h // 2) * (w // 2), preset.context[1]
+    return preset.latent[2] * (h // 2) * (w // 2), 0
+
+
+def _patch_attention(backend="sage_fp8_sm90"):
+    """What Patch Attention puts on the hook, as the floor reads it (its config's backend)."""
+    return types.SimpleNamespace(config=types.SimpleNamespace(backend=backend))
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name, total, comfyui, pack", MEASURED, ids=[m[0] for m in MEASURED])
+def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch, name, total, comfyui, pack):
+    """Through the node's own functions: the model's work (made once), the floor for the forward's attention (ComfyUI's
+    PyTorch attention; Patch Attention's sage_fp8_sm90 under the split's hook), a rank's decision at the first block.
+    Where the split measured faster than one GPU it splits; where slower, it runs on one GPU and says how many tokens
+    would split."""
+    import comfy.ldm.modules.attention as comfy_attention
+
+    mod = comfy_pack
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    G = importlib.import_module(mod.__name__ + ".parallel.group")
+    C = importlib.import_module(mod.__name__ + ".parallel.context")
+    preset, dm, unit = _preset(mod, name)
+    tokens, prefix = _tokens(preset)
+    assert tokens + prefix == total
+    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)  # as ComfyUI starts on a GPU
+    cp = cpn.ContextParallel(unit, min_tokens=None)
+    hooks = {"comfyui": {}, "pack": {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}}
+    for kind, ratio in (("comfyui", comfyui), ("pack", pack)):
+        floor = cp.floor(dm, hooks[kind])
+        assert floor["min_tflop"] == cpn.SPLIT_TFLOP[kind] and floor["work"] is cp.work(dm)
+        ctx = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit)
+        assert ctx.start(tokens, prefix=prefix) == (ratio >= PAYS), (kind, floor["work"].tflop_per_block(total))
+        if not ctx.split:
+            need = floor["work"].tokens_for(cpn.SPLIT_TFLOP[kind]) - prefix
+            assert tokens < need
+            attention = "ComfyUI's PyTorch attention" if kind == "comfyui" else "Patch Attention's sage_fp8_sm90"
+            assert ctx.why.startswith(f"{tokens:,} tokens to split, fewer than the {need:,} that make a split pay for "
+                                      f"this model with {attention}: a step this short is faster on one GPU"), ctx.why
+            # at those tokens it splits, one fewer it does not
+            assert C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(need, prefix=prefix)
+            assert not C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(need - 1, prefix=prefix)
+
+
+@pytest.mark.comfyui
+def test_the_floor_follows_the_attention_the_forward_runs(comfy_pack, monkeypatch):
+    """ComfyUI's PyTorch attention alone takes the lower floor; Patch Attention (any backend), another node's override or
+    ComfyUI started with another attention take the higher one."""
+    import comfy.ldm.modules.attention as comfy_attention
+    from comfyui_support import tiny_flux
+
+    cpn = importlib.import_module(comfy_pack.__name__ + ".nodes.context_parallel")
+    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
+    pytorch = ("comfyui", "ComfyUI's PyTorch attention")
+    assert cpn.attention_of({}) == pytorch
+    assert cpn.attention_of({cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(None)}) == pytorch
+    patched = comfy_pack.nodes.patch.patch_model(tiny_flux(), "sdpa_math")
+    hook = patched.model_options["transformer_options"][cpn.OVERRIDE_KEY]
+    assert cpn.attention_of({cpn.OVERRIDE_KEY: hook}) == ("pack", "Patch Attention's sdpa_math")
+    assert cpn.attention_of({cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(hook)}) == ("pack",
+                                                                                         "Patch Attention's sdpa_math")
+
+    def other_override(func, *args, **kwargs):
+        return func(*args, **kwargs)
+
+    assert cpn.attention_of({cpn.OVERRIDE_KEY: other_override}) == ("pack", "another node's attention (function)")
+    sage = getattr(comfy_attention, "attention_sage", None) or types.SimpleNamespace(__name__="attention_sage")
+    monkeypatch.setattr(cpn, "host_function", lambda: sage)  # ComfyUI started with --use-sage-attention
+    assert cpn.attention_of({}) == ("pack", "ComfyUI's attention_sage")
+
+
+# ---------------------------------------------------------------- through the node
+
+@pytest.fixture
+def two_devices(monkeypatch):
+    """ComfyUI sees two devices, the CPU and ``cpu:1`` (the same memory): the node makes a MultiGPU copy of the model
+    and splits on both, as on two GPUs (ComfyUI 0.33+)."""
+    from comfyui_support import comfy, load_pack
+
+    comfy()
+    try:
+        import comfy.multigpu  # noqa: F401
+    except ImportError:
+        pytest.skip("context parallelism needs ComfyUI 0.33 or later (its MultiGPU model copies)")
+    import comfy.model_management as mm
+    import zoo as z
+
+    z.load_families()
+    mod, _ = load_pack()
+    devs = [torch.device("cpu"), torch.device("cpu", 1)]
+    monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield z, mod
+    torch.set_num_threads(threads)
+    monkeypatch.undo()
+    mm.unload_all_models()
+
+
+@pytest.mark.comfyui
+def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one_at_it_splits(two_devices, monkeypatch,
+                                                                                              caplog):
+    """The node with its default floor on two devices, the floor set about a tiny Wan's forward: below it the one-GPU
+    latent, nothing exchanged, the reason (the tokens that would split, the attention) said once; at it every forward
+    splits (the one-GPU latent within fp32 rounding).  The model's work is read once, however many forwards."""
+    import comfy.supported_models as sm
+    from comfyui_support import counting_exchanges
+
+    z, mod = two_devices
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    fam = importlib.import_module(mod.__name__ + ".parallel.families")
+    case = z.BUILDERS["WAN21_T2V"](sm.WAN21_T2V, False)
+    base = z.build(sm.WAN21_T2V, case)
+    ref = z.sample(base, case)
+    tokens = int(torch.tensor(case.latent[2:]).prod()) // 4  # the (1, 2, 2) patches of the latent: Wan's tokens
+    dm = base.model.diffusion_model
+    unit = fam.unit_for(dm)
+    work = unit.work(dm)
+    made = []
+    monkeypatch.setattr(unit, "work", lambda d: made.append(d) or work)
+    monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, work.tflop_per_block(tokens + 1)))
+    m = cpn.context_parallel(base, gpus=0, cfg_split=False)
+    kind, attention = cpn.attention_of(m.model_options["transformer_options"])
+    with counting_exchanges(mod) as counts:
+        with caplog.at_level("WARNING"):
+            out = z.sample(m, case)
+        assert counts == [] and torch.equal(out, ref)
+        said = [r.getMessage() for r in caplog.records if "fewer than the" in r.getMessage()]
+        assert said == [f"Context Parallel: a forward of Wan 2.1/2.2 ran on one GPU: {tokens:,} tokens to split, fewer "
+                        f"than the {tokens + 1:,} that make a split pay for this model with {attention}: a step this "
+                        "short is faster on one GPU (each GPU's share of the host's work runs under one Python lock)"]
+        # Patch Attention applied after the node: the forward's attention is its kernel, named in the reason
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            out = z.sample(mod.nodes.patch.patch_model(m, "sdpa_math"), case)
+        assert counts == [] and _rel_l1(out, ref) < 1e-5  # another exact kernel than ComfyUI's: fp32 rounding apart
+        assert any("with Patch Attention's sdpa_math: a step" in r.getMessage() for r in caplog.records)
+        monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, work.tflop_per_block(tokens)))
+        caplog.clear()
+        with caplog.at_level("INFO"):
+            out = z.sample(m, case)
+        assert counts and set(counts) == {0, 1}
+        assert not any("ran on one GPU" in r.getMessage() for r in caplog.records)
+        runs = [re.search(r"(\d+) of (\d+) forwards split over 2 GPUs", r.getMessage()) for r in caplog.records]
+        assert [r.group(1) == r.group(2) != "0" for r in runs if r] == [True], [r.getMessage() for r in caplog.records]
+    assert _rel_l1(out, ref) < 1e-5
+    assert len(made) == 1, made  # once per model, not per forward
+
+
+def _rel_l1(a, b) -> float:
+    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
