@@ -285,6 +285,7 @@ class Run:
         self.said = set()
         self.shown = []  # what the run said on the canvas, in order
         self.forwards = self.split_forwards = self.reused = 0
+        self.whole = set()  # the shapes of the forwards that ran on one GPU for their shapes (too short to pay)
 
     def patch_models(self, unit, undo: list) -> None:
         """The unit's changes to every GPU's model for this run, each one's undoing appended to ``undo`` as it is
@@ -295,6 +296,23 @@ class Run:
     def close(self) -> None:
         for w in self.workers.values():
             w.shutdown(wait=True)
+
+
+def _shapes(values) -> tuple:
+    """The shapes of a forward's inputs (tensors, lists of tensors such as reference latents, keyword items), what a
+    family unit counts its tokens from."""
+    out = []
+    for v in values:
+        if isinstance(v, tuple) and len(v) == 2 and isinstance(v[0], str):  # a keyword argument
+            out.append(v[0])
+            v = v[1]
+        if isinstance(v, torch.Tensor):
+            out.append(tuple(v.shape))
+        elif isinstance(v, (list, tuple)):
+            out.append(tuple(tuple(e.shape) if isinstance(e, torch.Tensor) else None for e in v))
+        else:
+            out.append(None)
+    return tuple(out)
 
 
 def _set_device(device) -> None:
@@ -386,7 +404,11 @@ class SplitForwardWrapper(_Wrapper):
             cp.say(why, f"a forward runs on one GPU: {why}", show=True)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         dm = ranks[0][1].diffusion_model
-        group = Group([d for d, _ in ranks], **cp.floor(dm, topts))
+        floor = cp.floor(dm, topts)
+        shapes = (_shapes((x, c_concat, c_crossattn, *kwargs.items())), floor.get("min_tflop"), floor.get("min_tokens"))
+        if shapes in run.whole:  # a forward of these shapes ran whole for them: no other GPU's thread is started
+            return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
+        group = Group([d for d, _ in ranks], **floor)
         keys = cp.unit.block_keys(dm)
         ctxs = [RankContext(group, r, cp.unit) for r in range(group.size)]
         for c in ctxs:
@@ -427,6 +449,9 @@ class SplitForwardWrapper(_Wrapper):
                 run.split_forwards += bool(ctxs[0].split)
                 run.reused += ctxs[0].split is None
         else:
+            if ctxs[0].by_shapes:
+                with cp._lock:
+                    run.whole.add(shapes)
             cp.say("whole:" + ctxs[0].why, f"a forward of {cp.unit.name} ran on one GPU: {ctxs[0].why}", show=True)
         return out
 

@@ -36,6 +36,7 @@ class RankContext:
         self.masks: RowMasks | None = None  # the mask of the exchanged calls, over the whole sequence (set_masks)
         self.split = None  # None: undecided; True: this forward is split; False: it runs whole on every rank
         self.why = ""  # why it runs whole
+        self.by_shapes = False  # it runs whole for its shapes alone (tokens, floors): every forward of them will
         self.exchanged = 0  # attention calls exchanged in this forward (for the report)
         self.last_key = None  # the block-replace key of the forward's last block (set by the node's forward wrapper)
         self.state = {}  # the family unit's own values for this forward (e.g. which tokens are this rank's)
@@ -76,6 +77,7 @@ class RankContext:
             self.why = (f"a GPU's share ({clash[0]} tokens) is as long as the text or image sequence it attends to, "
                         "so its attention calls could not be told apart")
         self.split = not self.why
+        self.by_shapes = not self.split and not why_not
         if not self.split:
             if self.rank != 0:
                 raise StopRank(self.why)

@@ -296,10 +296,15 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
     monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, work.tflop_per_block(tokens + 1)))
     m = cpn.context_parallel(base, gpus=0, cfg_split=False)
     kind, attention = cpn.attention_of(m.model_options["transformer_options"])
+    other = []  # the forwards the second device's thread began
+    rank = cpn.SplitForwardWrapper._rank
+    monkeypatch.setattr(cpn.SplitForwardWrapper, "_rank", lambda self, *a, **k: other.append(1) or rank(*a, **k))
     with counting_exchanges(mod) as counts:
         with caplog.at_level("WARNING"):
             out = z.sample(m, case)
         assert counts == [] and torch.equal(out, ref)
+        # the first forward found it too short; the run's later forwards of the same shapes start no other thread
+        assert case.steps > 1 and len(other) == 1, (case.steps, other)
         said = [r.getMessage() for r in caplog.records if "fewer than the" in r.getMessage()]
         assert said == [f"Context Parallel: a forward of Wan 2.1/2.2 ran on one GPU: {tokens:,} tokens to split, fewer "
                         f"than the {tokens + 1:,} that make a split pay for this model with {attention}: a step this "

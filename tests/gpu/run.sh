@@ -105,6 +105,7 @@
 #   multigpu-diagnose  the per-call diagnosis of CFG Split's latent for MG_DIAGNOSE (default sage_fp8_sm90)
 #   multigpu-floor sizes between what splits and what does not (Wan 1.3B 49/65 frames, Wan 14B 17 frames, Flux 1536²,
 #                  Qwen-Image 1664²), one GPU against every forward split, unpatched and sage_fp8_sm90 (~9 min)
+#   multigpu-floor-node  the same sizes and Flux 1024² with the node's own floor: which it splits, and what that gives
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   offload        Context Parallel against one GPU when the weights do not fit the card (tests/gpu/offload.py): a card of
 #                  OFFLOAD_CARD GiB (default 24; 0: none) emulated on every GPU (PyTorch's allocator capped, ComfyUI's
@@ -464,6 +465,15 @@ stage_multigpu-floor() {  # where splitting starts to pay, under the node's thre
       MG_ROWS=${FLOOR_ROWS:-1:unpatched,cp:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90} stage_multigpu || status=1
   done
   return $status
+}
+stage_multigpu-floor-node() {  # the node's own floor (no --min-tokens) on sizes either side of it: what a user gets
+  MG_PRESET=flux-dev MG_STEPS=4 MG_ROUNDS=2 MG_LIMIT=80 MG_ROWS=1:unpatched,cp:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90 \
+    stage_multigpu
+  local x
+  for x in wan-1.3b-49f=70 flux-dev-1536=80 wan-14b-17f=100; do
+    MG_PRESET=${x%%=*} MG_STEPS=3 MG_ROUNDS=2 MG_LIMIT=${x#*=} \
+      MG_ROWS=1:unpatched,cp:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
+  done
 }
 stage_multigpu-wan14-cfg5() {  # Wan 2.1 14B 480p at CFG 5: CFG Split against Context Parallel (cfg_split off)
   MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=${MG_LIMIT:-280} \
