@@ -11,7 +11,9 @@ shares made contiguous before they cross between GPUs instead of 2-D copies: the
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
-that has 4), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
+that has 4), ``-easycacheN`` / ``-lazycacheN`` on any mode
+(ComfyUI's EasyCache or LazyCache node after the multi-GPU node, threshold N/100; compared with the one-GPU row with the
+same cache, its "skipped n/m steps" in the row), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
 multi-GPU node as a workflow would: the node runs its split forwards uncompiled, one GPU compiles in the warm-up), ``-swN`` on any mode (Python's thread
 switch interval set to N microseconds for the row instead of 5,000: how long a thread waiting for the interpreter lock
 waits before it asks for it; set in the benchmark's own process, to diagnose host-bound rows); modifiers combine:
@@ -39,6 +41,7 @@ import argparse
 import datetime
 import importlib
 import json
+import logging
 import os
 import re
 import statistics
@@ -98,7 +101,8 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-compile|-a\d+|-sw\d+|-g\d+")  # a row's settings after its mode
+MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
+SAME_RUN = re.compile(r"-compile|-easycache\d+|-lazycache\d+")  # what a row's one-GPU baseline has too
 
 
 def modifiers(row: str) -> list:
@@ -120,7 +124,45 @@ def compiled(m, node_options: bool = True):
 
 def row_model(pack, cpn, job, extra, row):
     m = _row_model(pack, cpn, job, extra, row)
-    return compiled(m) if "-compile" in modifiers(row) else m  # as TorchCompileModel, after the nodes
+    for mod in modifiers(row):  # after the nodes, as a workflow puts them: a step cache, TorchCompileModel
+        if mod.startswith(("-easycache", "-lazycache")):
+            m = step_cache(m, mod)
+    return compiled(m) if "-compile" in modifiers(row) else m
+
+
+class CacheSaid(logging.Handler):
+    """What ComfyUI's step caches log of a run ("EasyCache - skipped 3/10 steps ..."), while in a ``with``."""
+
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.lines = []
+
+    def emit(self, record):
+        msg = record.getMessage()
+        if msg.startswith(("EasyCache - skipped", "LazyCache - skipped")):
+            self.lines.append(msg)
+
+    def __enter__(self):
+        root = logging.getLogger()
+        self._level = root.level
+        root.addHandler(self)
+        root.setLevel(min(root.level, logging.INFO) if root.level else logging.INFO)
+        return self
+
+    def __exit__(self, *exc):
+        root = logging.getLogger()
+        root.removeHandler(self)
+        root.setLevel(self._level)
+
+
+def step_cache(m, mod: str):
+    """``m`` through ComfyUI's EasyCache or LazyCache node (``-easycache20``: threshold 0.20; start 0.15 and end 0.95,
+    the nodes' defaults)."""
+    import comfy_extras.nodes_easycache as ec
+
+    name = "EasyCache" if mod.startswith("-easycache") else "LazyCache"
+    out = getattr(ec, f"{name}Node").execute(m, int(mod[len(name) + 1:]) / 100, 0.15, 0.95, False)
+    return out.result[0] if hasattr(out, "result") else out[0]
 
 
 def _row_model(pack, cpn, job, extra, row):
@@ -239,7 +281,10 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
             r["warmup_s"] = round(time.perf_counter() - t0, 2)
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
-            latent, dt, whole = e2e._timed_sample(m, job)
+            with CacheSaid() as said:
+                latent, dt, whole = e2e._timed_sample(m, job)
+            if said.lines:
+                r["cache_said"] = said.lines[-1]
             if row in profile_rows and rnd == 0:
                 r["profile"] = profile_step(e2e, m, job)
                 print(f"{row}, one step profiled:\n" + r["profile"].split("\nGPU ", 1)[-1].join(["GPU ", ""]), flush=True)
@@ -269,7 +314,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         if "s_per_step" not in r:
             continue
         mode, backend = r["row"].split(":", 1)
-        c = "-compile" if "-compile" in modifiers(r["row"]) else ""  # compiled against compiled
+        c = "".join(SAME_RUN.findall(r["row"].split(":", 1)[0]))  # compiled against compiled, cached against cached
         one = next((x for x in out if x["row"] == f"1{c}:{backend}" and "s_per_step" in x), None)
         last = next((x for x in out if x["row"] == f"last:{backend}" and "s_per_step" in x), None)
         if one is not None and last is not None:  # a split step goes at the slower GPU's pace

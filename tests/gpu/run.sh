@@ -106,6 +106,8 @@
 #   multigpu-floor sizes between what splits and what does not (Wan 1.3B 49/65 frames, Wan 14B 17 frames, Flux 1536²,
 #                  Qwen-Image 1664²), one GPU against every forward split, unpatched and sage_fp8_sm90 (~9 min)
 #   multigpu-floor-node  the same sizes and Flux 1024² with the node's own floor: which it splits, and what that gives
+#   multigpu-caches ComfyUI's EasyCache and LazyCache (threshold CACHE_THRESHOLD/100, default 20) after the node, Wan 2.1
+#                  1.3B 480p/81f, 10 steps, CFG 1 (CACHE_PRESET, CACHE_STEPS, CACHE_BACKEND): does the ratio multiply?
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
 #   offload        Context Parallel against one GPU when the weights do not fit the card (tests/gpu/offload.py): a card of
 #                  OFFLOAD_CARD GiB (default 24; 0: none) emulated on every GPU (PyTorch's allocator capped, ComfyUI's
@@ -475,6 +477,11 @@ stage_multigpu-floor-node() {  # the node's own floor (no --min-tokens) on sizes
     MG_PRESET=${x%%=*} MG_STEPS=3 MG_ROUNDS=2 MG_LIMIT=${x#*=} \
       MG_ROWS=1:unpatched,cp:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
   done
+}
+stage_multigpu-caches() {  # ComfyUI's EasyCache and LazyCache after the node: one GPU against the split, each cached
+  local t=${CACHE_THRESHOLD:-20} b=${CACHE_BACKEND:-unpatched}
+  MG_PRESET=${CACHE_PRESET:-wan-1.3b} MG_STEPS=${CACHE_STEPS:-10} MG_LIMIT=${CACHE_LIMIT:-240} \
+    MG_ROWS=1:$b,cp:$b,1-easycache$t:$b,cp-easycache$t:$b,1-lazycache$t:$b,cp-lazycache$t:$b stage_multigpu
 }
 stage_multigpu-wan14-cfg5() {  # Wan 2.1 14B 480p at CFG 5: CFG Split against Context Parallel (cfg_split off)
   MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=${MG_LIMIT:-280} \
