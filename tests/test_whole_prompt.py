@@ -45,7 +45,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("prompts")
     models = out / "models"
     rc = gpu_module("prompts").main(["--out", str(out), "--cpu", "--devices", "2", "--rounds", "1",
-                                      "--models", str(models)])
+                                      "--models", str(models), "--profile"])
     res = json.load(open(out / "prompts.json"))
     assert rc == 0, [(p["mode"], p["error"]) for r in res["rows"] for p in r["prompts"] if not p["ok"]]
     return res, (out / "prompts-server.log").read_text(), str(models), out
@@ -122,3 +122,15 @@ def test_the_files_are_detected_as_the_models_they_stand_for(run):
         assert (type(vae.first_stage_model).__name__, vae.latent_channels, vae.latent_dim) == (cls, 16, dims)
     made = mf.ensure(models, list(mf.SPECS), tiny=True, log=lambda _: None)
     assert not any(m["made"] for m in made.values())  # a second call keeps the cache
+
+
+def test_with_profile_every_samplers_run_in_the_server_is_profiled(run):
+    """--profile: one file per sampler run (warm-ups and timed prompts of every row), each naming the sampler's own
+    functions (its steps ran under the profiler in the server's thread)."""
+    res, _, _, out = run
+    runs = sum(SAMPLERS[r["row"]] for r in res["rows"] for p in r["prompts"] if p["ok"])
+    files = sorted(out.glob("profile-*.txt"))
+    assert len(files) == runs, (len(files), runs)
+    for f in files:
+        text = f.read_text()
+        assert text.startswith("CFGGuider.sample: ") and "sample" in text and "function calls" in text, text[:300]

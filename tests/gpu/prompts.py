@@ -153,6 +153,9 @@ def _install_server_side() -> None:
     async def setup(request):
         return web.json_response(_simulated_vae_devices() if os.environ.get("PA_PROMPTS_TINY") == "1" else {})
 
+    if os.environ.get("PA_PROMPTS_PROFILE"):
+        _profile_samplers(os.environ["PA_PROMPTS_PROFILE"])
+
     if os.environ.get("PA_PROMPTS_TINY") == "1":  # in ComfyUI's server, a process of its own: its path is its own
         sys.path.insert(0, HERE)
         import comfy.sd1_clip as sc
@@ -164,6 +167,34 @@ def _install_server_side() -> None:
             init(self, *args, model_options=model_files.tiny_te_options(model_options), **kwargs)
 
         sc.SDClipModel.__init__ = tiny_init
+
+
+def _profile_samplers(out: str) -> None:
+    """Each run of ComfyUI's sampler (CFGGuider.sample: loading the models, every step) under cProfile, in the thread
+    that runs it; its 40 costliest functions by own time and by time within them to ``out``/profile-<n>.txt."""
+    import cProfile
+    import io
+    import itertools
+    import pstats
+
+    import comfy.samplers
+
+    sample, count = comfy.samplers.CFGGuider.sample, itertools.count()
+
+    def profiled(self, *args, **kwargs):
+        prof = cProfile.Profile()
+        t0 = time.perf_counter()
+        try:
+            return prof.runcall(sample, self, *args, **kwargs)
+        finally:
+            text = io.StringIO()
+            text.write(f"CFGGuider.sample: {time.perf_counter() - t0:.3f} s under cProfile\n")
+            for key in ("tottime", "cumulative"):
+                pstats.Stats(prof, stream=text).sort_stats(key).print_stats(40)
+            with open(os.path.join(out, f"profile-{next(count)}.txt"), "w") as f:
+                f.write(text.getvalue())
+
+    comfy.samplers.CFGGuider.sample = profiled
 
 
 def _simulated_vae_devices() -> dict:
@@ -632,6 +663,9 @@ def arguments(argv):
                     help="remove the other rows' cached files when the disk is short")
     ap.add_argument("--cache-lru", type=int, default=0, help="ComfyUI's LRU cache of N outputs (0: its default)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a prompt may take")
+    ap.add_argument("--profile", action="store_true",
+                    help="every sampler's run in the server under cProfile (its thread), the top functions in "
+                         "OUT/profile-<n>.txt: a diagnosis, its times are not the benchmark's")
     ap.add_argument("--cpu", action="store_true", help="ComfyUI in CPU mode, tiny models (the check without GPUs)")
     ap.add_argument("--devices", type=int, default=2, help="with --cpu: the devices ComfyUI sees")
     a = ap.parse_args(argv)
@@ -678,7 +712,8 @@ def main(argv=None) -> int:
     base = tempfile.mkdtemp(prefix="pa-prompts-")
     for folder in {s.folder for s in model_files().SPECS.values()}:
         os.makedirs(os.path.join(base, "models", folder))
-    env = {"PA_PROMPTS": "1", "PA_PROMPTS_TINY": "1" if a.cpu else "0", "PYTHONUNBUFFERED": "1"}
+    env = {"PA_PROMPTS": "1", "PA_PROMPTS_TINY": "1" if a.cpu else "0", "PYTHONUNBUFFERED": "1",
+           **({"PA_PROMPTS_PROFILE": os.path.abspath(a.out)} if a.profile else {})}
     proc, url = soak.launch(a, base, comfyui, os.path.join(a.out, "prompts-server.log"),
                             ["--cache-lru", str(a.cache_lru)] if a.cache_lru else [], {"pa_prompts.py": __file__}, env)
     try:

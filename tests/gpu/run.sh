@@ -159,8 +159,9 @@
 #                  dev 1024² 20 steps ~34 GB; one row per call in practice), PROMPTS_ROUNDS (default 2) timed prompts per
 #                  workflow after a warm-up, PROMPTS_LIMIT seconds (default 540: a row not expected to fit is listed as not
 #                  run), PROMPTS_STEPS=ROW=N (fewer steps, the row's extrapolated; Wan 2.1 at 20 steps does not fit a
-#                  call), PROMPTS_WARMUP_STEPS, PROMPTS_ORDER (alternate, the default, or grouped); s/prompt, the
-#                  ratio and where the time went in prompts.md and prompts.json
+#                  call), PROMPTS_WARMUP_STEPS, PROMPTS_ORDER (alternate, the default, or grouped), PROMPTS_PROFILE=1 (each
+#                  sampler's run in the server under cProfile: profile-<n>.txt); s/prompt, the ratio and where the time
+#                  went in prompts.md and prompts.json
 #                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
 #                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
@@ -605,7 +606,7 @@ stage_prompts() {  # whole prompts, one GPU against several: one row per call in
   timeout $(( ${limit%.*} + 60 )) $PY tests/gpu/prompts.py --out "$OUT" --rows "${PROMPTS_ROWS:-wan22-a14b,wan21-14b,flux-dev}" \
     --rounds "${PROMPTS_ROUNDS:-2}" --limit "$limit" --models "${PROMPTS_MODELS:-/root/pa-models}" \
     ${PROMPTS_STEPS:+--steps "$PROMPTS_STEPS"} ${PROMPTS_WARMUP_STEPS:+--warmup-steps "$PROMPTS_WARMUP_STEPS"} \
-    ${PROMPTS_ORDER:+--order "$PROMPTS_ORDER"} \
+    ${PROMPTS_ORDER:+--order "$PROMPTS_ORDER"} ${PROMPTS_PROFILE:+--profile} \
     > "$OUT/prompts.txt" 2>&1
   local rc=$?
   echo "tests/gpu/prompts.py exit status $rc; every prompt in prompts.txt and prompts.md, ComfyUI's log in prompts-server.log"
