@@ -211,6 +211,21 @@ class ContextParallel:
         return (f"each step of {work.tokens_for(SPLIT_TFLOP['comfyui']):,} tokens or more",
                 f" ({pack:,} or more with Patch Attention's kernels)")
 
+    def whole_run(self, patcher, shape, conds: dict, topts: dict, cfg: float = 1.0) -> str:
+        """Why every forward of a run of a latent of ``shape`` stays on one GPU, told before the run from the shapes
+        alone (the unit's :meth:`~..parallel.families.Unit.most_tokens`, at most the tokens a forward will have, against
+        the floor a forward would meet); "" where a forward may split, where that cannot be told, or where the GPUs
+        take a cond each (``cfg_split`` above CFG 1)."""
+        if self.simulate or (self.cfg_split and cfg != 1.0):
+            return ""
+        dm = patcher.model.diffusion_model
+        most = self.unit.most_tokens(dm, shape, conds)
+        if most is None:
+            return ""
+        group = Group(["cpu"] * (1 + len(patcher.get_additional_models_with_key("multigpu"))), **self.floor(dm, topts))
+        ctx = RankContext(group, 0, self.unit)
+        return "" if ctx.start(most[0], prefix=most[1]) else ctx.why
+
     def say(self, key: str, msg: str, show: bool = False) -> None:
         """``msg`` in the log once per sampling run (``key``: which message); with ``show``, also under the node's own
         text in its box on the canvas."""
@@ -535,6 +550,34 @@ def _to(obj, device):
 
 # ---------------------------------------------------------------- the node
 
+class ShortRunWrapper(_Wrapper):
+    """OUTER_SAMPLE wrapper: a run told too short to split before it starts (:meth:`ContextParallel.whole_run`) samples
+    on the first GPU as one GPU does: the other GPUs' copies are left out of the run (ComfyUI neither loads nor
+    prepares them), and the node says why."""
+
+    def __call__(self, executor, *args, **kwargs):
+        guider = executor.class_obj
+        patcher = getattr(guider, "model_patcher", None)
+        noise = args[0] if args else kwargs.get("noise")
+        copies = patcher.get_additional_models_with_key("multigpu") if patcher is not None else []
+        packed = len(kwargs.get("latent_shapes") or ()) > 1  # several latents in one (LTX-2's audio and video)
+        if not copies or packed or type(noise) is not torch.Tensor:
+            return executor(*args, **kwargs)
+        topts = (getattr(guider, "model_options", None) or {}).get("transformer_options", {})
+        why = self.cp.whole_run(patcher, tuple(noise.shape), getattr(guider, "conds", None) or {}, topts,
+                                getattr(guider, "cfg", 1.0))
+        if not why:
+            return executor(*args, **kwargs)
+        msg = f"a run of {self.cp.unit.name} sampled on one GPU, the other GPUs' copies left out: {why}"
+        log.warning("%s: %s", NODE, msg)
+        show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
+        patcher.remove_additional_models("multigpu")
+        try:
+            return executor(*args, **kwargs)
+        finally:
+            patcher.set_additional_models("multigpu", copies)
+
+
 class OneGpuNotice(SharedWrapper):
     """OUTER_SAMPLE wrapper of a model the node could not split: says why once per sampling run."""
 
@@ -731,6 +774,8 @@ def install(m, cp: ContextParallel) -> None:
     topts[OVERRIDE_KEY] = ContextParallelAttention(current)
     m.remove_wrappers_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY)
     m.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, RunWrapper(cp))
+    m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
+    m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, ShortRunWrapper(cp))
     keep_pins_on(m)  # the GPUs' copies' offloaded weights stay pinned from run to run (nodes/loaded.py)
     wrappers = topts.setdefault("wrappers", {})
     rest = {k: v for k, v in wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).items() if k != WRAPPER_KEY}

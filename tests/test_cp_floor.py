@@ -279,12 +279,22 @@ def two_devices(monkeypatch):
     mm.unload_all_models()
 
 
+def _loaded_on(device) -> list:
+    """ComfyUI's loaded models on ``device``."""
+    import comfy.model_management as mm
+
+    return [lm for lm in mm.current_loaded_models if lm.model is not None and lm.model.load_device == device]
+
+
 @pytest.mark.comfyui
 def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one_at_it_splits(two_devices, monkeypatch,
                                                                                               caplog):
-    """The node with its default floor on two devices, the floor set about a tiny Wan's forward: below it the one-GPU
-    latent, nothing exchanged, the reason (the tokens that would split, the attention) said once; at it every forward
-    splits (the one-GPU latent within fp32 rounding).  The model's work is read once, however many forwards."""
+    """The node with its default floor on two devices, the floor set about a tiny Wan's forward.  Below it: the
+    one-GPU latent, nothing exchanged, the reason (the tokens that would split, the attention) said once.  Told before
+    the run from the latent's shape, the run leaves the second device's copy out (ComfyUI loads nothing there, no
+    thread starts there); where it cannot be told, the first forward finds it at its first block and the run's other
+    forwards of the same shapes start no thread on the second device.  At the floor every forward splits (the one-GPU
+    latent within fp32 rounding).  The model's work is read once, however many forwards."""
     import comfy.supported_models as sm
     from comfyui_support import counting_exchanges
 
@@ -306,16 +316,28 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
     other = []  # the forwards the second device's thread began
     rank = cpn.SplitForwardWrapper._rank
     monkeypatch.setattr(cpn.SplitForwardWrapper, "_rank", lambda self, *a, **k: other.append(1) or rank(*a, **k))
+    why = (f"{tokens:,} tokens to split, fewer than the {tokens + 1:,} that make a split pay for this model with "
+           f"{attention}: a step this short is faster on one GPU (each GPU's share of the host's work runs under one "
+           "Python lock)")
+    second = torch.device("cpu", 1)
     with counting_exchanges(mod) as counts:
         with caplog.at_level("WARNING"):
             out = z.sample(m, case)
+        assert counts == [] and torch.equal(out, ref) and other == []
+        assert _loaded_on(second) == []  # told before the run: the second device's copy left out of it
+        said = [r.getMessage() for r in caplog.records if "fewer than the" in r.getMessage()]
+        assert said == [f"Context Parallel: a run of Wan 2.1/2.2 sampled on one GPU, the other GPUs' copies left out: "
+                        f"{why}"]
+        # where the run cannot be told from the shapes: the first forward finds it, the others start no thread
+        caplog.clear()
+        monkeypatch.setattr(unit, "most_tokens", lambda *a: None)
+        with caplog.at_level("WARNING"):
+            out = z.sample(m, case)
         assert counts == [] and torch.equal(out, ref)
-        # the first forward found it too short; the run's later forwards of the same shapes start no other thread
         assert case.steps > 1 and len(other) == 1, (case.steps, other)
         said = [r.getMessage() for r in caplog.records if "fewer than the" in r.getMessage()]
-        assert said == [f"Context Parallel: a forward of Wan 2.1/2.2 ran on one GPU: {tokens:,} tokens to split, fewer "
-                        f"than the {tokens + 1:,} that make a split pay for this model with {attention}: a step this "
-                        "short is faster on one GPU (each GPU's share of the host's work runs under one Python lock)"]
+        assert said == [f"Context Parallel: a forward of Wan 2.1/2.2 ran on one GPU: {why}"]
+        monkeypatch.delattr(unit, "most_tokens")  # the unit's own again (its class's)
         # Patch Attention applied after the node: the forward's attention is its kernel, named in the reason
         caplog.clear()
         with caplog.at_level("WARNING"):
@@ -327,7 +349,8 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
         with caplog.at_level("INFO"):
             out = z.sample(m, case)
         assert counts and set(counts) == {0, 1}
-        assert not any("ran on one GPU" in r.getMessage() for r in caplog.records)
+        assert _loaded_on(second)  # the split run loaded the copy there (what the first run did not)
+        assert not any("on one GPU" in r.getMessage() for r in caplog.records)
         runs = [re.search(r"(\d+) of (\d+) forwards split over 2 GPUs", r.getMessage()) for r in caplog.records]
         assert [r.group(1) == r.group(2) != "0" for r in runs if r] == [True], [r.getMessage() for r in caplog.records]
     assert _rel_l1(out, ref) < 1e-5
@@ -336,3 +359,65 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
 
 def _rel_l1(a, b) -> float:
     return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
+
+
+# ---------------------------------------------------------------- a run told from its shapes, before it starts
+
+F = importlib.import_module(P.__name__ + ".parallel.families")
+
+
+def _conds(*texts, **extra) -> dict:
+    """ComfyUI's conds as its sampler has them before the first step: each a dict with the text's ``cross_attn``."""
+    return {"positive": [{"cross_attn": torch.zeros(1, t, 8), "model_conds": {}, "uuid": 0, **extra} for t in texts]}
+
+
+@pytest.mark.parametrize("patch, shape, text, want", [
+    (2, (1, 16, 128, 128), True, (4096, 512)),  # Flux.1 dev at 1024²: 2x2 patches, the text beside them
+    (2, (1, 16, 127, 129), True, (64 * 65, 512)),  # padded up to whole patches, as ComfyUI pads the latent
+    (2, (1, 16, 1, 166, 166), True, (83 * 83, 512)),  # Qwen-Image's latent has a frame dimension
+    ((1, 2, 2), (1, 16, 21, 60, 104), False, (32760, 0)),  # Wan 2.1 480p/81f: the text is not in the sequence
+    ((1, 2, 2), (2, 16, 9, 61, 104), False, (9 * 31 * 52, 0)),
+])
+def test_most_tokens_by_the_latents_patches_and_the_longest_text(patch, shape, text, want):
+    dm = types.SimpleNamespace(patch_size=patch)
+    assert F.by_shapes(dm, shape, _conds(77, 512, 256), text=text) == want
+
+
+def test_most_tokens_cannot_be_told_with_an_input_that_may_add_tokens():
+    """A reference latent (Kontext, Qwen-Image-Edit), an unknown cond key or model cond, or a model without a patch
+    size: not told (the run loads every GPU's copy and decides at its first block, as before)."""
+    dm = types.SimpleNamespace(patch_size=2)
+    shape = (1, 16, 128, 128)
+    assert F.by_shapes(dm, shape, _conds(512), text=True) is not None
+    assert F.by_shapes(dm, shape, _conds(512, reference_latents=[torch.zeros(1, 16, 128, 128)]), text=True) is None
+    assert F.by_shapes(dm, shape, _conds(512, something_new=1), text=True) is None
+    assert F.by_shapes(dm, shape, {"positive": [{"cross_attn": torch.zeros(1, 512, 8),
+                                                 "model_conds": {"ref_latents": 1}}]}, text=True) is None
+    assert F.by_shapes(types.SimpleNamespace(), shape, _conds(512), text=True) is None
+    # Wan's unit takes what an image to start from brings (channels, CLIP's tokens to cross-attend): not tokens
+    wan = F.BY_CLASS["WanModel"]
+    assert wan.most_tokens(types.SimpleNamespace(patch_size=(1, 2, 2)), (1, 16, 21, 60, 104),
+                           _conds(512, clip_vision_output=1, concat_latent_image=1, concat_mask=1)) == (32760, 0)
+    # the Wan variants' extra inputs may add tokens: they decide at the first block
+    assert F.BY_CLASS["VaceWanModel"].most_tokens(types.SimpleNamespace(patch_size=(1, 2, 2)),
+                                                   (1, 16, 21, 60, 104), _conds(512)) is None
+
+
+@pytest.mark.comfyui
+def test_a_run_at_cfg_above_one_with_cfg_split_keeps_its_copies(two_devices, monkeypatch):
+    """With ``cfg_split`` above CFG 1 the second device samples a cond (ComfyUI's CFG Split): however short the
+    forwards, the run keeps the copy there."""
+    import dataclasses
+
+    import comfy.supported_models as sm
+
+    z, mod = two_devices
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    case = dataclasses.replace(z.BUILDERS["WAN21_T2V"](sm.WAN21_T2V, False), cfg=5.0)
+    base = z.build(sm.WAN21_T2V, case)
+    ref = z.sample(base, case)
+    monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, 1e9))  # every forward too short to split
+    m = cpn.context_parallel(base, gpus=0, cfg_split=True)
+    out = z.sample(m, case)
+    assert _loaded_on(torch.device("cpu", 1))  # the second cond's device had its copy
+    assert _rel_l1(out, ref) < 1e-5

@@ -22,7 +22,12 @@ Interface (:class:`Unit`):
   stream, cross-attention's keys and values over the text): left out of the model's work;
 - ``work(dm)`` (optional): the model's :class:`~..work.Work` (its work per block, what the node's floor is measured
   in), by default read off ``dm``'s block lists without the ``shared_linears`` (:func:`~..work.work_of`); computed once
-  per model.
+  per model;
+- ``most_tokens(dm, shape, conds)`` (optional): at most how many tokens a forward of a latent of ``shape`` splits, and
+  holds whole beside them, told from the latent's and the conds' shapes before sampling (``conds``: the run's
+  conditioning as the sampler has it before its first step); None (the default) where that cannot be told.  Where a
+  whole run is told too short to pay, the node runs it on the first GPU without loading the other GPUs' copies.
+  :func:`by_shapes` is the common case.
 
 A model without a unit samples on one GPU (the node says why on the canvas, naming the model and the families that have
 one).  Adding a family is one module here with a :class:`Unit` subclass that names its diffusion-model ``classes``:
@@ -46,6 +51,9 @@ class Unit:
     def block_keys(self, dm) -> list:
         raise NotImplementedError
 
+    def most_tokens(self, dm, shape, conds: dict) -> tuple[int, int] | None:
+        return None
+
     def block(self, key, args: dict, inner, ctx):
         raise NotImplementedError
 
@@ -54,6 +62,35 @@ class Unit:
 
     def work(self, dm) -> Work:
         return work_of(dm, self.shared_linears, len(self.block_keys(dm)))
+
+
+# the keys of a cond (ComfyUI's conditioning, converted for the sampler) that add no tokens to a forward's sequence
+PLAIN_CONDS = frozenset({"cross_attn", "model_conds", "uuid", "pooled_output", "guidance", "attention_mask",
+                         "start_percent", "end_percent", "strength"})
+
+
+def by_shapes(dm, shape, conds: dict, text: bool, plain: frozenset = PLAIN_CONDS) -> tuple[int, int] | None:
+    """:meth:`Unit.most_tokens` of a model that cuts its latent ``shape`` (``[B, C, ...]``) into ``dm.patch_size``
+    patches (an int: the last two dimensions; a tuple: the last ones, padded up as ComfyUI pads the latent) and, with
+    ``text``, holds the longest text of ``conds`` whole beside them.  None where a cond has a key not in ``plain`` (a
+    reference latent or another input that may add tokens), or the model has no patch size."""
+    patch = getattr(dm, "patch_size", None)
+    if patch is None or len(shape) < 4:
+        return None
+    patch = (patch, patch) if isinstance(patch, int) else tuple(int(p) for p in patch)
+    spatial = list(shape[2:])
+    sizes = [1] * (len(spatial) - len(patch)) + list(patch[-len(spatial):])
+    tokens = 1
+    for n, p in zip(spatial, sizes):
+        tokens *= -(-int(n) // p)
+    longest = 0
+    for c in (c for group in conds.values() for c in group):
+        if not set(c) <= plain or not set(c.get("model_conds", {})) <= {"c_crossattn"}:
+            return None
+        t = c.get("cross_attn")
+        if t is not None:
+            longest = max(longest, int(t.shape[1]))
+    return tokens, longest if text else 0
 
 
 def _units() -> list[Unit]:

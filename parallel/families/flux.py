@@ -23,7 +23,7 @@ exchange: it passes whole.  A forward runs whole on one GPU with a model patch i
 
 from __future__ import annotations
 
-from . import Unit
+from . import Unit, by_shapes
 
 
 class FluxUnit(Unit):
@@ -31,6 +31,9 @@ class FluxUnit(Unit):
     classes = ("Flux",)
     # the modulation (double blocks' img_mod/txt_mod, single blocks' modulation) and the double blocks' text stream
     shared_linears = ("_mod", "modulation", "txt_")
+
+    def most_tokens(self, dm, shape, conds: dict):
+        return by_shapes(dm, shape, conds, text=True)
 
     def block_keys(self, dm) -> list:
         return ([("double_block", i) for i in range(len(dm.double_blocks))]

@@ -24,7 +24,7 @@ every GPU keeps whole, and the rest of the block is per token, or per stream.
 
 from __future__ import annotations
 
-from . import Unit
+from . import Unit, by_shapes
 
 TZI = "timestep_zero_index"  # the forward's variable the block reads the latent/reference boundary from
 
@@ -34,6 +34,9 @@ class QwenImageUnit(Unit):
     classes = ("QwenImageTransformer2DModel",)
     # the modulation (img_mod, txt_mod) and the text stream (txt_mlp; the attention's add_q/k/v_proj and to_add_out)
     shared_linears = ("_mod", "txt_", "add_", "to_add_out")
+
+    def most_tokens(self, dm, shape, conds: dict):
+        return by_shapes(dm, shape, conds, text=True)
 
     def block_keys(self, dm) -> list:
         return [("double_block", i) for i in range(len(dm.transformer_blocks))]

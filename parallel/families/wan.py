@@ -18,7 +18,9 @@ import torch
 
 from ..context import CP_KEY
 from ..ulysses import Staged
-from . import Unit
+from . import PLAIN_CONDS, Unit, by_shapes
+
+WAN_CONDS = PLAIN_CONDS | {"clip_vision_output", "concat_latent_image", "concat_mask"}
 
 
 class WanUnit(Unit):
@@ -27,6 +29,9 @@ class WanUnit(Unit):
     # cross-attention's keys and values: over the text, and the CLIP image tokens (k_img, v_img; HuMo's audio
     # cross-attention's too: audio_cross_attn.k/v); the modulation is a Parameter of each block, not a Linear
     shared_linears = ("cross_attn.k", "cross_attn.v")
+
+    def most_tokens(self, dm, shape, conds: dict):  # an image to start from joins the channels, CLIP's the text
+        return by_shapes(dm, shape, conds, text=False, plain=WAN_CONDS)
 
     def block_keys(self, dm) -> list:
         return [("double_block", i) for i in range(len(dm.blocks))]

@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import torch
 
+from . import Unit
 from .wan import WanUnit, modulation_shard
 
 
@@ -50,6 +51,7 @@ class WanVariantUnit(WanUnit):
     takes its rows of a whole-length ``x`` and hands one back.  ``shared_between``: what the model runs between blocks
     is the same on every GPU (VACE's blocks): its attention calls over the whole sequence are shared out by heads."""
 
+    most_tokens = Unit.most_tokens  # extra inputs (references, audio, poses) may add tokens: told at the first block
     whole_between = False
     shared_between = False
 
