@@ -57,8 +57,8 @@ def test_every_prompt_of_every_row_completes_timed_by_comfyuis_history(run):
     for r in res["rows"]:
         assert r["status"] == "done", (r["row"], r["reason"])
         ps = r["prompts"]
-        assert [(p["mode"], p["warmup"]) for p in ps] == [("one", True), ("several", True), ("one", False),
-                                                          ("several", False)]
+        assert [(p["mode"], p["warmup"]) for p in ps] == [("one", True), ("one", False), ("several", True),
+                                                          ("several", False)]  # --order grouped, the default
         assert all(p["ok"] and p["source"] == "history" and p["seconds"] > 0 for p in ps), r["row"]
         assert all(p["phases"]["sampling"] > 0 and p["phases"]["decode"] > 0 for p in ps), r["row"]
         assert all(sum(s["steps"] for s in p["samplers"]) == r["steps"] for p in ps), r["row"]  # progress seen
@@ -85,11 +85,13 @@ def test_several_gpu_prompts_ran_the_multigpu_nodes_and_one_gpu_prompts_did_not(
             if p["mode"] == "one":
                 assert not shown and not p["log"], (r["row"], p["log"])
                 continue
-            assert len(shown) == n, (r["row"], p["shown"])
+            # the multi-GPU nodes run (their canvas text, ComfyUI's copies made) in the first several-GPU prompt; the
+            # next one takes their outputs from ComfyUI's cache, as a user's next prompt of the same workflow does
+            assert len(shown) == (n if p["warmup"] else 0), (r["row"], p["shown"])
             if r["cfg"] == 1:
                 assert len(split) == n, (r["row"], p["log"])  # every forward split over both devices
-            else:
-                assert copies, (r["row"], p["log"])  # CFG 5: the conds on both devices (ComfyUI's copy on the second)
+            else:  # CFG 5: the conds on both devices (ComfyUI's copy on the second)
+                assert bool(copies) == p["warmup"], (r["row"], p["log"])
             assert len(vae) == (0 if r["row"] == "flux-dev" else 1), (r["row"], p["log"])
 
 

@@ -2,7 +2,7 @@
 entry in /history, for what a user runs.
 
     python tests/gpu/prompts.py --out DIR [--rows wan22-a14b,wan21-14b,flux-dev] [--rounds 2] [--limit 540]
-                                [--models /root/pa-models] [--steps wan21-14b=4] [--order alternate|grouped]
+                                [--models /root/pa-models] [--steps wan21-14b=4] [--order grouped|alternate]
     python tests/gpu/prompts.py --out DIR --cpu --devices 2 --rounds 1     # the same path on a machine without GPUs
 
 Rows (this repository's API workflows, workflows/api, used as they are: only the model files' names, the sizes, the
@@ -32,8 +32,10 @@ umT5: these are bf16 (ComfyUI loads them as it would its bf16 releases).
 The server: tests/gpu/soak.py's (its ComfyUI main.py in a temporary base directory, this pack and its test nodes as
 custom nodes, soak.py's state route: host RSS and per-GPU memory after each prompt), with this file as a custom node
 too (each node's start as ComfyUI announces it, "executing", and the samplers' "progress", timed in the server).
-One server process sees every GPU and runs both workflows (--order alternate: one GPU, several GPUs, in turn;
-grouped: every one-GPU prompt first): what a user with two GPUs compares.  The one-GPU workflow runs on the first
+One server process sees every GPU and runs both workflows (--order grouped, the default: every one-GPU prompt
+first, as a user runs one workflow again and again; alternate: one GPU, several GPUs, in turn, where ComfyUI drops the
+outputs of the nodes the other workflow lacks, so each several-GPU prompt runs its multi-GPU nodes again and makes the
+other GPUs' copies again): what a user with two GPUs compares.  The one-GPU workflow runs on the first
 GPU, ComfyUI's device, while the others idle (they may still hold the several-GPU prompts' copies, as they would for
 that user); ComfyUI's default cache (--cache-lru N: its LRU cache).  After a warm-up prompt per workflow (loading,
 the multi-GPU nodes' copies, tuning; --warmup-steps: fewer steps for it, at least one per sampler), --rounds timed
@@ -658,7 +660,7 @@ def arguments(argv):
     ap.add_argument("--models", help="the model files' cache (default /root/pa-models; --cpu: /root/pa-models/tiny)")
     ap.add_argument("--steps", default="", help="ROW=N,...: fewer steps than the row's (the row's extrapolated)")
     ap.add_argument("--warmup-steps", type=int, default=0, help="steps of the warm-up prompts (0: the timed ones')")
-    ap.add_argument("--order", choices=("alternate", "grouped"), default="alternate")
+    ap.add_argument("--order", choices=("grouped", "alternate"), default="grouped")
     ap.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
                     help="remove the other rows' cached files when the disk is short")
     ap.add_argument("--cache-lru", type=int, default=0, help="ComfyUI's LRU cache of N outputs (0: its default)")

@@ -159,7 +159,7 @@
 #                  dev 1024² 20 steps ~34 GB; one row per call in practice), PROMPTS_ROUNDS (default 2) timed prompts per
 #                  workflow after a warm-up, PROMPTS_LIMIT seconds (default 540: a row not expected to fit is listed as not
 #                  run), PROMPTS_STEPS=ROW=N (fewer steps, the row's extrapolated; Wan 2.1 at 20 steps does not fit a
-#                  call), PROMPTS_WARMUP_STEPS, PROMPTS_ORDER (alternate, the default, or grouped), PROMPTS_PROFILE=1 (each
+#                  call), PROMPTS_WARMUP_STEPS, PROMPTS_ORDER (grouped, the default, or alternate), PROMPTS_PROFILE=1 (each
 #                  sampler's run in the server under cProfile: profile-<n>.txt); s/prompt, the ratio and where the time
 #                  went in prompts.md and prompts.json
 #                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
