@@ -51,6 +51,15 @@ def compiled_as_the_node(model, backend="inductor"):
     return m
 
 
+def step_cache(model, node: str, threshold: float):
+    """``model`` through ComfyUI's own EasyCache or LazyCache node (``node``), with ``threshold`` and the nodes' default
+    start and end (0.15, 0.95)."""
+    import comfy_extras.nodes_easycache as ec
+
+    out = getattr(ec, f"{node}Node").execute(model, threshold, 0.15, 0.95, False)
+    return out.result[0] if hasattr(out, "result") else out[0]
+
+
 def find_comfyui() -> str | None:
     """COMFYUI_PATH, else the ComfyUI this pack is cloned into (``ComfyUI/custom_nodes/<pack>``)."""
     env = os.environ.get("COMFYUI_PATH")

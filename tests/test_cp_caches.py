@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import pytest
 import test_context_parallel
+from comfyui_support import step_cache
 from test_context_parallel import _case, _split, rel_l1
 
 zoo = test_context_parallel.zoo  # the fixture: ComfyUI with the zoo's families and the pack loaded
@@ -20,14 +21,6 @@ pytestmark = pytest.mark.comfyui
 STEPS = 10
 # threshold -> the steps the tiny model's one-device run skips with it (10 steps, start 0.15, end 0.95)
 THRESHOLDS = {"EasyCache": 0.5, "LazyCache": 0.5}
-
-
-def cached(model, node: str, threshold: float):
-    """``model`` through ComfyUI's own EasyCache or LazyCache node (start 0.15, end 0.95: the nodes' defaults)."""
-    import comfy_extras.nodes_easycache as ec
-
-    out = getattr(ec, f"{node}Node").execute(model, threshold, 0.15, 0.95, False)
-    return out.result[0] if hasattr(out, "result") else out[0]
 
 
 def skipped(caplog, node: str) -> int:
@@ -60,10 +53,10 @@ def test_a_step_cache_decides_once_for_every_gpu(zoo, forwards, caplog, node, n)
     case = z.with_(case, steps=STEPS)
     base = z.build(cls, case)
     with caplog.at_level("INFO"):
-        ref = z.sample(cached(base, node, THRESHOLDS[node]), case)
+        ref = z.sample(step_cache(base, node, THRESHOLDS[node]), case)
         one = skipped(caplog, node)
         caplog.clear()
-        out = z.sample(cached(_split(mod, base, n), node, THRESHOLDS[node]), case)
+        out = z.sample(step_cache(_split(mod, base, n), node, THRESHOLDS[node]), case)
         split = skipped(caplog, node)
     assert 0 < one < STEPS - 1  # the cache skipped steps, and not all of them
     assert split == one  # counted once, not once per GPU

@@ -10,6 +10,7 @@ import re
 import types
 
 import pytest
+import test_context_parallel
 import torch
 from pack import load
 
@@ -253,30 +254,11 @@ def test_the_floor_follows_the_attention_the_forward_runs(comfy_pack, monkeypatc
 
 # ---------------------------------------------------------------- through the node
 
-@pytest.fixture
-def two_devices(monkeypatch):
-    """ComfyUI sees two devices, the CPU and ``cpu:1`` (the same memory): the node makes a MultiGPU copy of the model
-    and splits on both, as on two GPUs (ComfyUI 0.33+)."""
-    from comfyui_support import comfy, load_pack
-
-    comfy()
-    try:
-        import comfy.multigpu  # noqa: F401
-    except ImportError:
-        pytest.skip("context parallelism needs ComfyUI 0.33 or later (its MultiGPU model copies)")
-    import comfy.model_management as mm
-    import zoo as z
-
-    z.load_families()
-    mod, _ = load_pack()
-    devs = [torch.device("cpu"), torch.device("cpu", 1)]
-    monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield z, mod
-    torch.set_num_threads(threads)
-    monkeypatch.undo()
-    mm.unload_all_models()
+# ComfyUI with the zoo's families and the pack; it sees two devices, the CPU and ``cpu:1`` (the same memory): the node
+# makes a MultiGPU copy of the model and splits on both, as on two GPUs (ComfyUI 0.33+)
+zoo = test_context_parallel.zoo
+two_devices = test_context_parallel.two_devices
+rel_l1 = test_context_parallel.rel_l1
 
 
 def _loaded_on(device) -> list:
@@ -298,7 +280,7 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
     import comfy.supported_models as sm
     from comfyui_support import counting_exchanges
 
-    z, mod = two_devices
+    z, mod, _ = two_devices
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
     fam = importlib.import_module(mod.__name__ + ".parallel.families")
     case = z.BUILDERS["WAN21_T2V"](sm.WAN21_T2V, False)
@@ -342,7 +324,7 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
         caplog.clear()
         with caplog.at_level("WARNING"):
             out = z.sample(mod.nodes.patch.patch_model(m, "sdpa_math"), case)
-        assert counts == [] and _rel_l1(out, ref) < 1e-5  # another exact kernel than ComfyUI's: fp32 rounding apart
+        assert counts == [] and rel_l1(out, ref) < 1e-5  # another exact kernel than ComfyUI's: fp32 rounding apart
         assert any("with Patch Attention's sdpa_math: a step" in r.getMessage() for r in caplog.records)
         monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, work.tflop_per_block(tokens)))
         caplog.clear()
@@ -353,12 +335,8 @@ def test_through_the_node_a_forward_below_the_work_floor_runs_on_one_gpu_and_one
         assert not any("on one GPU" in r.getMessage() for r in caplog.records)
         runs = [re.search(r"(\d+) of (\d+) forwards split over 2 GPUs", r.getMessage()) for r in caplog.records]
         assert [r.group(1) == r.group(2) != "0" for r in runs if r] == [True], [r.getMessage() for r in caplog.records]
-    assert _rel_l1(out, ref) < 1e-5
+    assert rel_l1(out, ref) < 1e-5
     assert len(made) == 1, made  # once per model, not per forward
-
-
-def _rel_l1(a, b) -> float:
-    return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
 
 
 # ---------------------------------------------------------------- a run told from its shapes, before it starts
@@ -411,7 +389,7 @@ def test_a_run_at_cfg_above_one_with_cfg_split_keeps_its_copies(two_devices, mon
 
     import comfy.supported_models as sm
 
-    z, mod = two_devices
+    z, mod, _ = two_devices
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
     case = dataclasses.replace(z.BUILDERS["WAN21_T2V"](sm.WAN21_T2V, False), cfg=5.0)
     base = z.build(sm.WAN21_T2V, case)
@@ -420,4 +398,4 @@ def test_a_run_at_cfg_above_one_with_cfg_split_keeps_its_copies(two_devices, mon
     m = cpn.context_parallel(base, gpus=0, cfg_split=True)
     out = z.sample(m, case)
     assert _loaded_on(torch.device("cpu", 1))  # the second cond's device had its copy
-    assert _rel_l1(out, ref) < 1e-5
+    assert rel_l1(out, ref) < 1e-5

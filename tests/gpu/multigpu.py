@@ -156,13 +156,12 @@ class CacheSaid(logging.Handler):
 
 
 def step_cache(m, mod: str):
-    """``m`` through ComfyUI's EasyCache or LazyCache node (``-easycache20``: threshold 0.20; start 0.15 and end 0.95,
-    the nodes' defaults)."""
-    import comfy_extras.nodes_easycache as ec
+    """``m`` through the step cache a row's modifier names (``-easycache20``: ComfyUI's EasyCache node, threshold 0.20,
+    the node's default start and end)."""
+    from comfyui_support import step_cache as cache
 
     name = "EasyCache" if mod.startswith("-easycache") else "LazyCache"
-    out = getattr(ec, f"{name}Node").execute(m, int(mod[len(name) + 1:]) / 100, 0.15, 0.95, False)
-    return out.result[0] if hasattr(out, "result") else out[0]
+    return cache(m, name, int(mod[len(name) + 1:]) / 100)
 
 
 def _row_model(pack, cpn, job, extra, row):
