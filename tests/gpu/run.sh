@@ -5,8 +5,9 @@
 # Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz or kernels.tar.xz (SageAttention2 + SpargeAttn built by install.py
 # for this GPU, torch and Python), kitchen-<version>.tar.xz (comfy-kitchen's package, its ROCm library left out; the
 # newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
-# torchsde, trampoline, comfy-aimdo, gguf), comfyui-gguf.tar.xz (a ComfyUI-GGUF checkout, top folder ComfyUI-GGUF: the
-# cp-compose stage's GGUF case), .src (the pinned upstream archives, <commit>.tar.gz, made by tests/tools/pin_source.py,
+# torchsde, trampoline, comfy-aimdo, gguf), site-<name>.tar.xz (a package's installed files, unpacked beside the wheels:
+# PyAV for ComfyUI's Save Video, smaller so than its wheel), comfyui-gguf.tar.xz (a ComfyUI-GGUF checkout, top folder
+# ComfyUI-GGUF: the cp-compose stage's GGUF case), .src (the pinned upstream archives, <commit>.tar.gz, made by tests/tools/pin_source.py,
 # for the install stages).
 #
 # Stages:
@@ -193,6 +194,9 @@ stage_env() {
   export KITCHENS
   local use=${KITCHEN:-$(for v in $KITCHENS; do echo "$v"; done | sort -V | tail -1)}
   ls "$carry"/*.whl >/dev/null 2>&1 && $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/kern "$carry"/*.whl 2>&1 | tail -2
+  for t in "$carry"/site-*.tar.xz; do  # a package's installed files, tarred (PyAV's wheel is 40 MB, its files in xz 28)
+    [ -f "$t" ] && tar xJf "$t" -C /tmp/kern
+  done
   export PYTHONPATH=/tmp/kern${use:+:/tmp/kitchen-$use}
   if [ -n "${FA4_SITE:-}" ]; then  # FlashAttention-4 installed with pip --target there (no .pth: its DSL's path too)
     PYTHONPATH=$PYTHONPATH:$FA4_SITE:$FA4_SITE/nvidia_cutlass_dsl/dsl_packages
