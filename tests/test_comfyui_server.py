@@ -1,5 +1,6 @@
 """Top tier: ComfyUI's server on 127.0.0.1 (CPU) with this pack installed runs an API workflow using Patch Attention."""
 
+import glob
 import json
 import os
 import socket
@@ -215,3 +216,38 @@ def test_a_prompt_with_the_settings_input_s_current_or_earlier_id_reaches_patch_
     # and with the settings' own kernel the same prompt runs (on the CPU SpargeAttn is absent: the fastest exact kernel)
     prompt["3"]["inputs"]["backend"] = "sparge"
     assert finished_prompt(url, base, prompt)["status"]["status_str"] == "success"
+
+
+VIDEO_TEMPLATES = sorted(p for p in glob.glob(os.path.join(ROOT, "workflows", "api", "*.json"))
+                         if any(n["class_type"] == "SaveVideo" for n in json.load(open(p)).values()))
+
+
+def save_part(prompt: dict) -> tuple:
+    """(Save Video's id, a prompt of ``prompt``'s Create Video and Save Video as they are, on 9 frames of Empty Image)."""
+    (sid, save), = [(k, n) for k, n in prompt.items() if n["class_type"] == "SaveVideo"]
+    cid = save["inputs"]["video"][0]
+    create = prompt[cid]
+    frames = {"class_type": "EmptyImage", "inputs": {"width": 64, "height": 48, "batch_size": 9, "color": 0x3366AA}}
+    return sid, {"frames": frames, cid: {**create, "inputs": {**create["inputs"], "images": ["frames", 0]}}, sid: save}
+
+
+def saved_video(base, saved: dict) -> tuple:
+    """(container, codec, frame rate, frames) of a file a Save Video node reports in its history ``saved`` entry."""
+    import av
+
+    with av.open(str(base / "output" / saved["subfolder"] / saved["filename"])) as f:
+        stream = f.streams.video[0]
+        return f.format.name, stream.codec_context.name, stream.average_rate, sum(1 for _ in f.decode(stream))
+
+
+@pytest.mark.parametrize("path", VIDEO_TEMPLATES, ids=os.path.basename)
+def test_a_video_template_s_api_file_saves_an_h264_mp4(server, path):
+    """workflows/api's Save Video as written (format mp4 and codec h264: ComfyUI 0.3.64's inputs, which 0.33 takes
+    through the legacy codec input it keeps for them) and its Create Video, run on this release: an MP4 of H.264 at
+    16 frames per second under output/video/."""
+    url, base = server
+    sid, prompt = save_part(json.load(open(path)))
+    (saved,) = run_prompt(url, base, prompt, timeout=120)["outputs"][sid]["images"]
+    assert saved["subfolder"] == "video" and saved["filename"].endswith(".mp4"), saved
+    container, codec, rate, frames = saved_video(base, saved)
+    assert "mp4" in container and codec == "h264" and rate == 16 and frames == 9, (container, codec, rate, frames)

@@ -169,6 +169,38 @@ def test_the_templates_sample_with_the_default_auto_at_its_own_gate():
     assert backends == ["auto"] * 5
 
 
+def test_the_video_templates_save_an_h264_mp4_through_comfyui_s_video_nodes():
+    """As ComfyUI's own Wan templates end: the decoded frames through Create Video at Wan's 16 frames per second into
+    Save Video, an MP4 of H.264 under output/video/ (ComfyUI's Save Animated WEBP, which the templates used before,
+    encodes on one CPU core: a quarter of a whole Wan 2.2 A14B prompt). Save Video's format and codec in the form both
+    releases take: ComfyUI 0.3.64's two combos, which 0.33 reads as format and its nested codec (UI) or its legacy
+    codec input (API). The image templates keep Save Image."""
+    videos = 0
+    for ui_path, api_path in zip(UI, API):
+        ui, api = json.load(open(ui_path)), json.load(open(api_path))
+        nodes = {n["id"]: n for n in ui["nodes"]}
+        types = [n["type"] for n in ui["nodes"]]
+        assert "SaveAnimatedWEBP" not in types and all(n["class_type"] != "SaveAnimatedWEBP" for n in api.values())
+        if "EmptyHunyuanLatentVideo" not in types:
+            assert types.count("SaveImage") == 1 and "SaveVideo" not in types and "CreateVideo" not in types, ui_path
+            continue
+        videos += 1
+        assert types.count("CreateVideo") == types.count("SaveVideo") == 1 and "SaveImage" not in types, ui_path
+        create, save = (next(n for n in ui["nodes"] if n["type"] == t) for t in ("CreateVideo", "SaveVideo"))
+        links = {lid: (src, dst) for lid, src, _slot, dst, _dslot, _t in ui["links"]}
+        assert nodes[links[create["inputs"][0]["link"]][0]]["type"] in ("VAEDecode", "VAEDecodeMultiGPU")
+        assert links[save["inputs"][0]["link"]][0] == create["id"]
+        assert create["widgets_values"] == [16.0]
+        prefix, *form = save["widgets_values"]
+        assert form == ["mp4", "h264"] and prefix.startswith("video/"), save["widgets_values"]
+        ((cid, c),), (v,) = ([(k, n) for k, n in api.items() if n["class_type"] == "CreateVideo"],
+                             [n for n in api.values() if n["class_type"] == "SaveVideo"])
+        assert api[c["inputs"]["images"][0]]["class_type"] in ("VAEDecode", "VAEDecodeMultiGPU")
+        assert c["inputs"]["fps"] == 16.0 and v["inputs"]["video"] == [cid, 0]
+        assert v["inputs"] == {"filename_prefix": prefix, "format": "mp4", "codec": "h264", "video": [cid, 0]}
+    assert videos == 4
+
+
 OLD_API = os.path.join(ROOT, "tests", "fixture_workflows", "wan21_sparge_tuning_saved_before_sparse_settings.api.json")
 
 
@@ -198,24 +230,54 @@ def test_every_ui_workflow_has_a_note_and_titled_groups_around_every_node(path):
                    and y + h <= g["bounding"][1] + g["bounding"][3] for g in wf["groups"]), f"{n['type']} is in no group"
 
 
-def widget_inputs(info):
-    """[(name, type, opts)] of the widget inputs, in the order ComfyUI stores widgets_values."""
+# ComfyUI 0.33's combo whose choice brings inputs of its own (Save Video's format, and the codec under it): in
+# widgets_values its value is followed by the chosen option's widgets; in the API format those are "format.codec"
+DYNAMIC_COMBO = "COMFY_DYNAMICCOMBO_V3"
+
+
+def widget_inputs(info, inputs=None):
+    """[(name, type, opts, options, optional)] of the widget inputs, in the order ComfyUI stores widgets_values (a
+    dynamic combo's options: its keys). ``inputs``: a dynamic combo option's own inputs instead of the node's."""
+    if inputs is None:
+        inputs, order = info["input"], info["input_order"]
+    else:  # an option's inputs, in their order
+        order = {section: list(inputs.get(section, {})) for section in ("required", "optional")}
     out = []
     for section in ("required", "optional"):
-        for name in info["input_order"].get(section, []):
-            spec = info["input"][section][name]
+        for name in order.get(section, []):
+            spec = inputs[section][name]
             t = spec[0]
             opts = spec[1] if len(spec) > 1 else {}
             kind = "COMBO" if isinstance(t, list) or t == "COMBO" else t
-            if kind in WIDGET_TYPES and not opts.get("forceInput"):
+            if kind == DYNAMIC_COMBO:
+                out.append((name, kind, opts, [o["key"] for o in opts["options"]], section == "optional"))
+            elif kind in WIDGET_TYPES and not opts.get("forceInput"):
                 options = t if isinstance(t, list) else opts.get("options", [])
-                out.append((name, kind, opts, options))
+                out.append((name, kind, opts, options, section == "optional"))
     return out
+
+
+def take_widgets(node_type, info, values, inputs=None):
+    """Check the values of a node's widgets, in order, taking them from ``values`` (its widgets_values); a dynamic
+    combo's value is followed by its chosen option's widgets. Optional widgets after the last value are left to their
+    defaults, as the frontend leaves them (Create Video's bit_depth, new in ComfyUI 0.33)."""
+    for name, kind, opts, options, optional in widget_inputs(info, inputs):
+        if not values:
+            assert optional, f"{node_type}: missing widget value for {name}"
+            return
+        value = values.pop(0)
+        check_value(node_type, name, kind, opts, options, value)
+        if kind == DYNAMIC_COMBO:
+            take_widgets(node_type, info, values, next(o for o in opts["options"] if o["key"] == value)["inputs"])
+        elif opts.get("control_after_generate"):
+            assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
 
 
 def check_value(node_type, name, kind, opts, options, value):
     where = f"{node_type}.{name}={value!r}"
-    if kind == "COMBO":
+    if kind == DYNAMIC_COMBO:
+        assert value in options, f"{where} not in {options}"
+    elif kind == "COMBO":
         if options and not name.endswith("_name") and not name.startswith("clip_name") and name != "profile":
             assert value in options, f"{where} not in {options}"
         assert isinstance(value, str), where
@@ -238,11 +300,7 @@ def check_ui(wf, node_info):
         if info is None:
             continue
         values = list(n.get("widgets_values", []))
-        for name, kind, opts, options in widget_inputs(info):
-            assert values, f"{n['type']}: missing widget value for {name}"
-            check_value(n["type"], name, kind, opts, options, values.pop(0))
-            if opts.get("control_after_generate"):
-                assert values.pop(0) in ("fixed", "increment", "decrement", "randomize")
+        take_widgets(n["type"], info, values)
         assert not values, f"{n['type']}: {len(values)} widget values too many: {values}"
         for inp in n.get("inputs", []):
             all_inputs = {**info["input"].get("required", {}), **info["input"].get("optional", {})}
@@ -273,7 +331,7 @@ def check_api(wf, node_info):
         req, opt = info["input"].get("required", {}), info["input"].get("optional", {})
         for name in req:
             assert name in node["inputs"], f"{node['class_type']} is missing required input {name}"
-        widgets = {name: (kind, opts, options) for name, kind, opts, options in widget_inputs(info)}
+        widgets = {name: (kind, opts, options) for name, kind, opts, options, _ in widget_inputs(info)}
         for name, value in node["inputs"].items():
             name = renamed.get(node["class_type"], {}).get(name, name)
             assert name in req or name in opt, f"{node['class_type']} has no input {name}"

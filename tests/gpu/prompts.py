@@ -87,7 +87,8 @@ MODES = ("one", "several")
 TIMELINE = ("executing", "progress", "execution_start", "execution_success", "execution_error",
             "execution_interrupted")
 PHASES = {"CLIPTextEncode": "text", "KSampler": "sampling", "KSamplerAdvanced": "sampling", "VAEDecode": "decode",
-          "VAEDecodeMultiGPU": "decode", "SaveImage": "save", "SaveAnimatedWEBP": "save"}
+          "VAEDecodeMultiGPU": "decode", "SaveImage": "save", "SaveAnimatedWEBP": "save", "CreateVideo": "save",
+          "SaveVideo": "save"}
 PHASE_ORDER = ("text", "sampling", "decode", "save", "other")
 CPU_STEPS = 2
 CPU_SIZE = {3: (128, 128, 5), 2: (128, 128)}

@@ -43,7 +43,10 @@ IO = {
                           "end_at_step", "return_with_leftover_noise"], [("LATENT", "LATENT")]),
     "VAEDecode": ([("samples", "LATENT"), ("vae", "VAE")], [], [("IMAGE", "IMAGE")]),
     "SaveImage": ([("images", "IMAGE")], ["filename_prefix"], []),
-    "SaveAnimatedWEBP": ([("images", "IMAGE")], ["filename_prefix", "fps", "lossless", "quality", "method"], []),
+    # ComfyUI's video save, as its own Wan templates end: frames -> Create Video -> Save Video (an H.264 MP4). Their
+    # inputs as ComfyUI 0.3.64 has them, which 0.33 takes too (see VIDEO_SAVE)
+    "CreateVideo": ([("images", "IMAGE"), ("audio", "AUDIO")], ["fps"], [("VIDEO", "VIDEO")]),
+    "SaveVideo": ([("video", "VIDEO")], ["filename_prefix", "format", "codec"], []),
     "Note": ([], ["text"], []),
 }
 WIDGET_KINDS = {"COMBO", "BOOLEAN", "FLOAT", "INT", "STRING"}
@@ -66,6 +69,7 @@ for _n in PACK.values():
     IO[_n.node_id] = ([(i.name, i.kind) for i in _n.inputs if i.kind not in WIDGET_KINDS],
                       [i.name for i in _n.inputs if i.kind in WIDGET_KINDS], [(nm, k) for k, nm in _n.outputs])
 OPTIONAL_LINKS = {(n.node_id, i.name) for n in PACK.values() for i in n.inputs if i.optional and i.kind not in WIDGET_KINDS}
+OPTIONAL_LINKS.add(("CreateVideo", "audio"))
 UI_ONLY = {"Note"}  # not in the API format
 SEED_CONTROL = "fixed"  # KSampler's seed widget carries a "control after generate" value in the UI format
 
@@ -136,7 +140,9 @@ SCALE = 1.0  # the zoom a template opens at: the frontend's own text size (layou
 # tests/test_browser.py checks that it keeps every size written here and that no two boxes overlap.
 SLOT, WIDGET, TEXT_BOX, BOTTOM, NO_WIDGETS = 20, 24, 54, 14, 6
 TEXT_BOXES = {"CLIPTextEncode": 1, "AttentionBackendsInfo": 1}  # Backends Info: its report box (web/patch_attention.js)
-EXTRA_WIDGETS = {"KSampler": 1, "KSamplerAdvanced": 1, "AttentionBackendsInfo": 1}  # "control after generate"; the report box
+# widgets the frontend shows beyond IO's: "control after generate"; the report box; in ComfyUI 0.33, Create Video's
+# bit_depth and, under Save Video's codec h264, its encoding mode (the widgets 0.3.64 lacks, left at their defaults)
+EXTRA_WIDGETS = {"KSampler": 1, "KSamplerAdvanced": 1, "AttentionBackendsInfo": 1, "CreateVideo": 1, "SaveVideo": 1}
 # widths: the frontend's own least is 140-250 for these nodes; loaders show most of a model file's name
 WIDTH = {"CheckpointLoaderSimple": 300, "UNETLoader": 300, "CLIPLoader": 300, "DualCLIPLoader": 300,
          "CLIPTextEncode": 270, "EmptyHunyuanLatentVideo": 260, "VAEDecode": 160, "KSamplerAdvanced": 254}
@@ -144,10 +150,13 @@ DEFAULT_WIDTH = 250
 # room for what they show: the prompt, the report (it scrolls), the image once sampled
 EXTRA_HEIGHT = {"CLIPTextEncode": 12, "AttentionBackendsInfo": 32, "SaveImage": 100}
 NOTE_SIZE = (300, 220)  # the least a Note gets (its text scrolls); it grows into the room its group leaves
-# nodes that take the free height at the bottom of their stack in a group, in this order
-STRETCH = ("Note", "SaveImage", "SaveAnimatedWEBP", "AttentionBackendsInfo")
-COL_GAP, ROW_GAP, GROUP_GAP = 16, 10, 16  # between stacks in a group, between nodes in a stack, between groups
-GROUP_PAD = 8  # a group's margin left, right and below its nodes
+# nodes that take the free height at the bottom of their stack in a group, in this order (not Save Video: ComfyUI 0.33's
+# frontend sets its height to its widgets' own when it adds the inputs of the format it loads)
+STRETCH = ("Note", "SaveImage", "AttentionBackendsInfo")
+# between stacks in a group, between nodes in a stack, between groups; a group's margin left, right and below its nodes
+# (the video templates, whose save is two nodes, fit the window at zoom 1 with these, not with 10 and 8)
+COL_GAP, ROW_GAP, GROUP_GAP = 16, 6, 16
+GROUP_PAD = 6
 NODE_TITLE = 30  # a node's title bar, above its position (its size is the body's)
 GROUP_TITLE = 66  # from a group's top to its first node's position: the group's title bar (30 in frontend 1.49, 34 in
 #                   1.27), then the node's title
@@ -362,6 +371,21 @@ def flux_graph():
     }
 
 
+# A video template's save: ComfyUI's Create Video at Wan's 16 frames per second, then Save Video as an H.264 MP4 (encoded
+# on several CPU cores; ComfyUI's Save Animated WEBP, which these templates used before, encodes on one). format and
+# codec as ComfyUI 0.3.64's plain combos: ComfyUI 0.33's frontend puts codec into format's nested codec (format.codec),
+# and its server takes the API's top-level codec through the legacy input it keeps for workflows of 0.3.x.
+VIDEO_FPS = 16.0
+VIDEO_SAVE = {"format": "mp4", "codec": "h264"}
+
+
+def save_video(create_id: int, save_id: int, prefix: str, frames: tuple, group: int) -> list:
+    """Create Video (``create_id``) from the ``frames`` link, and Save Video (``save_id``) writing it to
+    output/<prefix>_NNNNN_.mp4, both in ``group``."""
+    return [(create_id, "CreateVideo", {"fps": VIDEO_FPS}, {"images": frames}, group),
+            (save_id, "SaveVideo", {"filename_prefix": prefix, **VIDEO_SAVE}, {"video": (create_id, 0)}, group)]
+
+
 WAN_FRAMES = 81  # the size the numbers in the note were measured at
 WAN_FILES = {"unet": "wan2.1_t2v_1.3B_fp16.safetensors", "clip": "umt5_xxl_fp8_e4m3fn_scaled.safetensors",
              "vae": "wan_2.1_vae.safetensors"}  # the names ComfyUI's own Wan 2.1 example uses
@@ -378,9 +402,10 @@ def wan_graph():
             (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
             (3, "VAELoader", {"vae_name": WAN_FILES["vae"]}, {}, 0),
             (4, "ModelSamplingSD3", {"shift": 8.0}, {"model": (1, 0)}, 0),
+            # the note and Backends Info one above the other, Patch Attention beside them: so the save's two nodes fit
             (13, "Note", {"text": patch_note(pw, MEASURED["wan_note"], WAN_SAMPLING)}, {}, 1),
-            (5, "PatchAttention", pw, {"model": (4, 0)}, 1),
             (12, "AttentionBackendsInfo", {}, {}, 1),
+            (5, "PatchAttention", pw, {"model": (4, 0)}, 1),
             (6, "CLIPTextEncode", {"text": "a red fox running through fresh snow in a pine forest, morning light, cinematic"},
              {"clip": (2, 0)}, 2),
             (7, "CLIPTextEncode", {"text": "blurry, low quality, static, distorted"}, {"clip": (2, 0)}, 2),
@@ -388,8 +413,7 @@ def wan_graph():
             (9, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
              {"model": (5, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 3),
             (10, "VAEDecode", {}, {"samples": (9, 0), "vae": (3, 0)}, 3),
-            (11, "SaveAnimatedWEBP", {"filename_prefix": "patch_attention_wan", "fps": 16.0, "lossless": False, "quality": 90,
-                                      "method": "default"}, {"images": (10, 0)}, 3),
+            *save_video(16, 11, "video/patch_attention_wan", (10, 0), 3),
         ],
     }
 
@@ -417,20 +441,23 @@ CP_NOTE = (
 
 def wan_multigpu_graph():
     """The Wan 2.1 template with Context Parallel between Patch Attention and the sampler (its note under the Patch
-    Attention note, the node under Patch Attention), and the VAE decode over the GPUs (VAE Decode (several GPUs) in
-    VAE Decode's place, its defaults)."""
+    Attention note, the node under Patch Attention), and the VAE decode over the GPUs: VAE Decode (several GPUs), its
+    defaults, in VAE Decode's place in the graph, under the Context Parallel note that describes it (the sampler's group
+    has no room for it beside the save's two nodes at zoom 1)."""
     g = wan_graph()
     nodes, patch_group = [], []
     for n in g["nodes"]:
         if n[1] == "KSampler":
             n = (n[0], n[1], n[2], {**n[3], "model": (14, 0)}, n[4])
         if n[1] == "VAEDecode":
-            n = (n[0], "VAEDecodeMultiGPU", defaults("VAEDecodeMultiGPU"), n[3], n[4])
+            n = (n[0], "VAEDecodeMultiGPU", defaults("VAEDecodeMultiGPU"), n[3], 1)
         (patch_group if n[4] == 1 else nodes).append(n)
-    note, patch, info = (next(n for n in patch_group if n[1] == t) for t in ("Note", "PatchAttention", "AttentionBackendsInfo"))
-    patch_group = [note, (15, "Note", {"text": CP_NOTE}, {}, 1), patch,
+    note, patch, info, decode = (next(n for n in patch_group if n[1] == t)
+                                 for t in ("Note", "PatchAttention", "AttentionBackendsInfo", "VAEDecodeMultiGPU"))
+    patch_group = [note, (15, "Note", {"text": CP_NOTE}, {}, 1), decode, patch,
                    (14, "ContextParallel", defaults("ContextParallel"), {"model": (5, 0)}, 1), info]
-    return {**g, "nodes": nodes + patch_group}
+    groups = [(("Patch attention, several GPUs" if key == 1 else title), key) for title, key in g["groups"]]
+    return {"groups": groups, "nodes": nodes + patch_group}
 
 
 # ComfyUI's own Wan 2.2 14B text-to-video template: its files, its size (1280x704, 121 frames), 20 euler steps at CFG 3.5,
@@ -450,9 +477,10 @@ WAN22_NOTE = (
 
 def wan22_multigpu_graph():
     """Wan 2.2 A14B: a UNETLoader -> Context Parallel chain per expert, and two KSampler (Advanced), the first leaving
-    noise for the second (the decoder under the high-noise sampler, the save node under the low-noise one, the video
-    size with the loaders: so the graph fits the window at zoom 1)."""
+    noise for the second (the decoder and Create Video under the high-noise sampler, Save Video under the low-noise
+    one, the video size with the loaders: so the graph fits the window at zoom 1)."""
     ks = {"noise_seed": 42, "steps": 20, "cfg": 3.5, "sampler_name": "euler", "scheduler": "simple"}
+    create, save = save_video(18, 17, "video/context_parallel_wan22", (16, 0), 3)
     nodes = [
         (1, "UNETLoader", {"unet_name": WAN22_FILES["high"], "weight_dtype": "default"}, {}, 0),
         (2, "UNETLoader", {"unet_name": WAN22_FILES["low"], "weight_dtype": "default"}, {}, 0),
@@ -469,11 +497,11 @@ def wan22_multigpu_graph():
                                   "return_with_leftover_noise": "enable"},
          {"model": (9, 0), "positive": (11, 0), "negative": (12, 0), "latent_image": (13, 0)}, 3),
         (16, "VAEDecodeMultiGPU", defaults("VAEDecodeMultiGPU"), {"samples": (15, 0), "vae": (4, 0)}, 3),
+        create,
         (15, "KSamplerAdvanced", {"add_noise": "disable", **ks, "start_at_step": 10, "end_at_step": 10000,
                                   "return_with_leftover_noise": "disable"},
          {"model": (10, 0), "positive": (11, 0), "negative": (12, 0), "latent_image": (14, 0)}, 3),
-        (17, "SaveAnimatedWEBP", {"filename_prefix": "context_parallel_wan22", "fps": 16.0, "lossless": False,
-                                  "quality": 90, "method": "default"}, {"images": (16, 0)}, 3),
+        save,
     ]
     return {"groups": [("Load, video size", 0), ("Prompt", 2), ("Several GPUs", 1), ("Sample and save", 3)],
             "nodes": nodes}
@@ -505,8 +533,9 @@ def sparge_graph():
     """Tune, then sample with the profile: one sampler whose model comes through Tune Sparse Attention and Patch
     Attention, of which one is bypassed in each run (run 1: Patch Attention and its settings)."""
     return {
+        # the second run's group last: at the right, the full height of the window, so the save's two nodes fit
         "groups": [("Load", 0), ("Prompt and latent", 1), ("1 · Tune Sparse Attention (run 1)", 2),
-                   ("2 · Sample with the profile (run 2)", 3), ("Sample and save", 4)],
+                   ("Sample and save", 4), ("2 · Sample with the profile (run 2)", 3)],
         "nodes": [
             (1, "UNETLoader", {"unet_name": WAN_FILES["unet"], "weight_dtype": "default"}, {}, 0),
             (2, "CLIPLoader", {"clip_name": WAN_FILES["clip"], "type": "wan", "device": "default"}, {}, 0),
@@ -523,8 +552,7 @@ def sparge_graph():
             (10, "KSampler", {"seed": 42, "steps": 30, "cfg": 6.0, "sampler_name": "uni_pc", "scheduler": "simple", "denoise": 1.0},
              {"model": (14, 0), "positive": (6, 0), "negative": (7, 0), "latent_image": (8, 0)}, 4),
             (11, "VAEDecode", {}, {"samples": (10, 0), "vae": (3, 0)}, 4),
-            (12, "SaveAnimatedWEBP", {"filename_prefix": "sparse_attention_wan", "fps": 16.0, "lossless": False,
-                                      "quality": 90, "method": "default"}, {"images": (11, 0)}, 4),
+            *save_video(15, 12, "video/sparse_attention_wan", (11, 0), 4),
         ],
     }
 
