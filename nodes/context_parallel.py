@@ -600,6 +600,7 @@ class OneGpuNotice(SharedWrapper):
 #   model, size                 tokens  TFLOP/block  ComfyUI's attention  sage_fp8_sm90
 #   Flux.1 dev 1024²             4,608     1.3           x0.83               x0.50
 #   Wan 2.1 1.3B 480p/33f       14,040     2.4           x1.40               x0.77
+#   Wan 2.1 14B 480p/9f          4,680     3.25          x1.31               (one GPU)
 #   Qwen-Image 1664²            11,072     4.0           x1.30               x0.89
 #   Flux.1 dev 1536²             9,728     3.4           x1.59               x1.06
 #   Wan 2.1 1.3B 480p/49f       20,280     4.2           x1.72               x0.82
