@@ -73,6 +73,7 @@ def _process_rank(r, n, store_path, out_dir, collective=False):
         res = _rank_results(group, r, n)
         res["swaps"] = len(swaps)
         torch.save(res, os.path.join(out_dir, f"rank{r}.pt"))
+        dist.barrier()  # no rank tears gloo down while another still talks to it (an abort at exit, seen once in CI)
     finally:
         dist.destroy_process_group()
 
