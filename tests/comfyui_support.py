@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import importlib.util
 import os
 import sys
 
 import pytest
 import torch
-from absent import AbsentPackage
+from absent import stand_in_if_missing
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -55,8 +54,7 @@ def compiled_as_the_node(model, backend="inductor"):
 def step_cache(model, node: str, threshold: float):
     """``model`` through ComfyUI's own EasyCache or LazyCache node (``node``), with ``threshold`` and the nodes' default
     start and end (0.15, 0.95)."""
-    if importlib.util.find_spec("av") is None:  # its module imports ComfyUI's video types (PyAV), unused here
-        sys.meta_path.insert(0, AbsentPackage("av"))
+    stand_in_if_missing("av")  # its module imports ComfyUI's video types (PyAV), unused here
     import comfy_extras.nodes_easycache as ec
 
     out = getattr(ec, f"{node}Node").execute(model, threshold, 0.15, 0.95, False)

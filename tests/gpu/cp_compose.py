@@ -43,7 +43,7 @@ from __future__ import annotations
 
 import argparse
 import faulthandler
-import importlib.util
+import importlib
 import json
 import logging
 import os
@@ -135,12 +135,9 @@ def load_gguf(path: str, node_dir: str):
 
     import comfy.sd
     import folder_paths
+    from absent import stand_in_if_missing
 
-    if importlib.util.find_spec("av") is None:
-        # ComfyUI's nodes.py imports PyAV (its video types) and the GPU machine has none; nothing here uses it
-        from comfyui_support import AbsentPackage
-
-        sys.meta_path.insert(0, AbsentPackage("av"))
+    stand_in_if_missing("av")  # ComfyUI's nodes.py imports PyAV (its video types), which the GPU machine lacks; unused
     # ComfyUI's nodes.py, which ComfyUI-GGUF imports too (this repository's nodes/ is earlier on the path)
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(comfy.sd.__file__))))
     try:

@@ -41,7 +41,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import importlib
-import importlib.util
 import json
 import math
 import os
@@ -125,10 +124,9 @@ def load_comfy(comfyui: str | None = None, cpu: bool = True):
     """ComfyUI importable (COMFYUI_PATH, CPU mode unless ``cpu`` is False) and measure/presets.py through the pack."""
     sys.path.insert(0, comfyui or os.environ.get("COMFYUI_PATH") or os.path.join(ROOT, "..", ".."))
     sys.path.insert(1, os.path.dirname(HERE))  # tests/: pack, absent
-    if importlib.util.find_spec("av") is None:  # ComfyUI's video types import PyAV, which the GPU machine lacks
-        from absent import AbsentPackage
+    from absent import stand_in_if_missing
 
-        sys.meta_path.insert(0, AbsentPackage("av"))
+    stand_in_if_missing("av")  # ComfyUI's video types import PyAV, which the GPU machine lacks
     from comfy.cli_args import args
 
     args.cpu = args.cpu or cpu

@@ -7,8 +7,8 @@
 # newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
 # torchsde, trampoline, comfy-aimdo, gguf), site-<name>.tar.xz (a package's installed files, unpacked beside the wheels:
 # PyAV for ComfyUI's Save Video, smaller so than its wheel), comfyui-gguf.tar.xz (a ComfyUI-GGUF checkout, top folder
-# ComfyUI-GGUF: the cp-compose stage's GGUF case), .src (the pinned upstream archives, <commit>.tar.gz, made by tests/tools/pin_source.py,
-# for the install stages).
+# ComfyUI-GGUF: the cp-compose stage's GGUF case), .src (the pinned upstream archives, <commit>.tar.gz, made by
+# tests/tools/pin_source.py, for the install stages).
 #
 # Stages:
 #   env            unpack kernels, comfy-kitchen, wheels, ComfyUI and ComfyUI-GGUF (every other stage needs it; run it

@@ -300,16 +300,13 @@ def render(meta: dict, v: dict, rows: list) -> str:
 def serve(args: list) -> None:
     """ComfyUI's main.py (the current directory) with ``args``; a package it imports at start-up that this Python lacks
     and the soak never uses (PyAV on the GPU machine) is an empty stand-in."""
-    import importlib.util
     import runpy
 
     sys.path.insert(0, os.getcwd())
     sys.path.insert(1, os.path.dirname(HERE))  # tests/: comfyui_support
-    from absent import AbsentPackage  # torch is main.py's to import (it picks the CUDA allocator first)
+    from absent import stand_in_if_missing  # torch is main.py's to import (it picks the CUDA allocator first)
 
-    for name in ("av",):
-        if importlib.util.find_spec(name) is None:
-            sys.meta_path.insert(0, AbsentPackage(name))
+    stand_in_if_missing("av")
     sys.argv = ["main.py", *args]
     runpy.run_path("main.py", run_name="__main__")
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import datetime
 import importlib
-import importlib.util
 import json
 import logging
 import os
@@ -36,11 +35,10 @@ ROOT = os.path.dirname(os.path.dirname(HERE))
 def load():
     sys.path.insert(0, os.environ.get("COMFYUI_PATH") or os.path.join(ROOT, "..", ".."))
     sys.path.insert(0, ROOT)
-    if importlib.util.find_spec("av") is None:  # ComfyUI's video types import PyAV, which the GPU machine lacks
-        sys.path.insert(1, os.path.dirname(HERE))
-        from comfyui_support import AbsentPackage
+    sys.path.insert(1, os.path.dirname(HERE))
+    from absent import stand_in_if_missing
 
-        sys.meta_path.insert(0, AbsentPackage("av"))
+    stand_in_if_missing("av")  # ComfyUI's video types import PyAV, which the GPU machine lacks
     from comfy.cli_args import args
 
     args.cpu = not torch.cuda.is_available()  # a dry run of the script on a machine without a GPU

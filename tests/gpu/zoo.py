@@ -51,14 +51,11 @@ def import_comfy(path: str, cpu: bool = False):
     import comfy.sample  # noqa: F401
 
     try:
-        import importlib.util
+        from absent import stand_in_if_missing
 
-        if importlib.util.find_spec("av") is None:
-            # ComfyUI's nodes module imports PyAV for its video types only; a GPU machine without it still runs the
-            # ControlNet and style-model cases (which need nodes) with stand-in modules, never called
-            from comfyui_support import AbsentPackage
-
-            sys.meta_path.insert(0, AbsentPackage("av"))
+        # ComfyUI's nodes module imports PyAV for its video types only; a GPU machine without it still runs the
+        # ControlNet and style-model cases (which need nodes) with stand-in modules, never called
+        if stand_in_if_missing("av"):
             print("zoo: PyAV is not installed: stand-in modules let ComfyUI's nodes import", flush=True)
         import utils.install_util  # noqa: F401  (main.py imports it before nodes: comfy/utils.py would shadow it)
 
