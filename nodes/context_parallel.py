@@ -42,6 +42,7 @@ import torch
 
 from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
+from ..parallel.graphs import Pieces, signature
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
 from ..parallel.work import Work
@@ -84,6 +85,12 @@ class ContextParallelAttention:
     def __call__(self, func, *args, **kwargs):
         topts = kwargs.get("transformer_options")
         ctx = topts.get(CP_KEY) if topts else None
+        if ctx is not None and ctx.graph is not None and not ctx.graph.inside:
+            # a forward recorded as CUDA graphs: every attention call runs between two pieces (parallel/graphs.py)
+            return ctx.graph.island(ContextParallelAttention._route, self, ctx, func, args, kwargs)
+        return self._route(ctx, func, args, kwargs)
+
+    def _route(self, ctx, func, args, kwargs):
         if ctx is not None and ctx.layout is not None:
             a, rest = bind(args, kwargs)
             q_len, k_len = _seq_len(a["q"], a), _seq_len(a["k"], a)
@@ -97,7 +104,7 @@ class ContextParallelAttention:
         """ComfyUI 0.33+: q/k/v in single-owner containers (see nodes/hook.py)."""
         topts = kwargs.get("transformer_options")
         ctx = topts.get(CP_KEY) if topts else None
-        if (ctx is None or ctx.layout is None) and hasattr(self.inner, "container_function"):
+        if (ctx is None or (ctx.layout is None and ctx.graph is None)) and hasattr(self.inner, "container_function"):
             return self.inner.container_function(*args, **kwargs)
         return self(host_function(), *take(args), **kwargs)
 
@@ -157,8 +164,12 @@ class ContextParallel:
     """One Context Parallel node's choice, shared by the clones of its model (and their GPUs' copies)."""
 
     def __init__(self, unit, cfg_split: bool = False, simulate: int = 0, min_tokens: int | None = 0, note: str = "",
-                 node: str | None = None):
+                 node: str | None = None, graphs: bool | None = None, graph_type=None):
         self.unit = unit
+        # split forwards of a family that offers it replay as CUDA graphs (None: GRAPHS); ``graph_type``: tests, a
+        # stand-in for torch.cuda.CUDAGraph that runs on the CPU
+        self.graphs = GRAPHS if graphs is None else graphs
+        self.graph_type = graph_type
         self.cfg_split = cfg_split
         self.simulate = simulate  # tests: this many ranks on the model's own device, sharing its model
         # shorter sequences to split run on one GPU (0: none); None: forwards with less work per block than SPLIT_TFLOP
@@ -184,17 +195,24 @@ class ContextParallel:
                     w = self._work[dm] = self.unit.work(dm)
         return w if w.params else None
 
-    def floor(self, dm, topts: dict) -> dict:
+    def floor(self, dm, topts: dict, graphs: bool = False) -> dict:
         """The floor of a forward of ``dm`` whose ``transformer_options`` are ``topts``, as :class:`Group` arguments:
         the token floor where one is set, else ``dm``'s work floor for the attention the forward runs
-        (:func:`attention_of`)."""
+        (:func:`attention_of`), or, where its run replays split forwards as CUDA graphs (``graphs``), the floor for
+        graphs."""
         if self.min_tokens is not None:
             return {"min_tokens": self.min_tokens}
         work = self.work(dm)
         if work is None:
             return {}
         kind, name = attention_of(topts)
-        return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
+        return {"work": work, "min_tflop": SPLIT_TFLOP["graphs" if graphs else kind], "attention": name}
+
+    def graphs_possible(self, patcher) -> bool:
+        """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
+        weights' place is known once it is loaded: :func:`graphs_off`)."""
+        dynamic = getattr(patcher, "is_dynamic", None)
+        return self.graphs and self.unit.graphs and not (dynamic is not None and dynamic())
 
     def steps(self, dm) -> tuple[str, str]:
         """Which steps of ``dm`` split, for the node's note: (which steps, what changes that), e.g. ("each step of
@@ -206,6 +224,9 @@ class ContextParallel:
         if work is None:
             return "each step", ""
         pack = work.tokens_for(SPLIT_TFLOP["pack"])
+        if self.graphs and self.unit.graphs:
+            return (f"each step of {work.tokens_for(SPLIT_TFLOP['graphs']):,} tokens or more",
+                    f" ({pack:,} or more where ComfyUI's dynamic VRAM or offloading moves the weights)")
         if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
             return f"each step of {pack:,} tokens or more", ""
         return (f"each step of {work.tokens_for(SPLIT_TFLOP['comfyui']):,} tokens or more",
@@ -222,7 +243,8 @@ class ContextParallel:
         most = self.unit.most_tokens(dm, shape, conds)
         if most is None:
             return ""
-        group = Group(["cpu"] * (1 + len(patcher.get_additional_models_with_key("multigpu"))), **self.floor(dm, topts))
+        group = Group(["cpu"] * (1 + len(patcher.get_additional_models_with_key("multigpu"))),
+                      **self.floor(dm, topts, self.graphs_possible(patcher)))
         ctx = RankContext(group, 0, self.unit)
         return "" if ctx.start(most[0], prefix=most[1]) else ctx.why
 
@@ -299,8 +321,12 @@ class Run:
         self.grad, self.inference = grad, inference
         self.said = set()
         self.shown = []  # what the run said on the canvas, in order
-        self.forwards = self.split_forwards = self.reused = 0
+        self.forwards = self.split_forwards = self.reused = self.graphed = 0
         self.whole = set()  # the shapes of the forwards that ran on one GPU for their shapes (too short to pay)
+        self.graphs = False  # split forwards may replay as CUDA graphs in this run (graphs_off)
+        self.split_shapes = set()  # the shapes of the forwards that split (the next of the same shapes may replay)
+        self.no_graphs = set()  # the shapes whose graphs failed: they run without them
+        self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
 
     def patch_models(self, unit, undo: list) -> None:
         """The unit's changes to every GPU's model for this run, each one's undoing appended to ``undo`` as it is
@@ -311,6 +337,7 @@ class Run:
     def close(self) -> None:
         for w in self.workers.values():
             w.shutdown(wait=True)
+        self.pieces.clear()  # the graphs' memory goes with the run
 
 
 def _shapes(values) -> tuple:
@@ -354,6 +381,11 @@ class RunWrapper(_Wrapper):
         base = getattr(getattr(guider, "model_patcher", None), "model", None)
         groups, restore = self.groups(cp, options, base, getattr(guider, "cfg", 1.0))
         run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if groups else None
+        if run is not None:
+            why = graphs_off(cp, groups, run.grad)
+            run.graphs = not why
+            if why and cp.unit.graphs and cp.graphs:
+                log.info("%s: no CUDA graphs in this run: %s", NODE, why)
         prev, cp.run = cp.run, run
         undo = []
         try:
@@ -367,8 +399,9 @@ class RunWrapper(_Wrapper):
             if run is not None:
                 run.close()
                 if run.forwards:
-                    log.info("%s: %d of %d forwards split over %d GPUs%s", NODE, run.split_forwards, run.forwards,
+                    log.info("%s: %d of %d forwards split over %d GPUs%s%s", NODE, run.split_forwards, run.forwards,
                              max(len(g) for g in run.groups),
+                             f", {run.graphed} of them replayed as CUDA graphs" if run.graphed else "",
                              f" ({run.reused} reused a step cache's output)" if run.reused else "")
             restore()
 
@@ -419,31 +452,74 @@ class SplitForwardWrapper(_Wrapper):
             cp.say(why, f"a forward runs on one GPU: {why}", show=True)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         dm = ranks[0][1].diffusion_model
-        floor = cp.floor(dm, topts)
+        floor = cp.floor(dm, topts, run.graphs)
         shapes = (_shapes((x, c_concat, c_crossattn, *kwargs.items())), floor.get("min_tflop"), floor.get("min_tokens"))
         if shapes in run.whole:  # a forward of these shapes ran whole for them: no other GPU's thread is started
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
-        group = Group([d for d, _ in ranks], **floor)
-        keys = cp.unit.block_keys(dm)
-        ctxs = [RankContext(group, r, cp.unit) for r in range(group.size)]
-        for c in ctxs:
-            c.last_key = keys[-1]
         # under torch.compile every GPU runs its model's forward uncompiled, through apply_model without the compile
         # wrapper (the first GPU's executor would run the compiled module: see the module's docstring)
         uncompiled = COMPILE_KEY in topts.get("wrappers", {}).get("apply_model", {})
         if uncompiled:
             cp.say("compile", "torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they measured no "
                    "faster: docs/multi-gpu.md); forwards on one GPU stay compiled")
+        call = (executor, (x, t, c_concat, c_crossattn, control), topts, kwargs, uncompiled)
+        # a forward of shapes that split before in this run replays as CUDA graphs, where the run allows them
+        graphs = run.graphs and shapes in run.split_shapes and shapes not in run.no_graphs
+        try:
+            out, ctx = self._split(run, ranks, floor, dm, call, shapes if graphs else None)
+        except Exception as e:
+            if not graphs or type(e).__name__ == "InterruptProcessingException":
+                raise
+            with cp._lock:
+                run.no_graphs.add(shapes)
+                for k in [k for k in run.pieces if k[0] == shapes]:
+                    del run.pieces[k]
+            log.debug("%s: CUDA graphs of a forward failed", NODE, exc_info=True)
+            cp.say("graphs-failed", f"a forward of {cp.unit.name} could not run as CUDA graphs ({type(e).__name__}: {e}); "
+                   "forwards of its shapes run without them in this run")
+            graphs = False
+            out, ctx = self._split(run, ranks, floor, dm, call, None)
+        if ctx.split or ctx.split is None:  # split, or no block ran: a step cache reused an output
+            with cp._lock:
+                run.split_forwards += bool(ctx.split)
+                run.graphed += bool(ctx.split) and graphs
+                run.reused += ctx.split is None
+                if ctx.split:
+                    run.split_shapes.add(shapes)
+        else:
+            if ctx.by_shapes:
+                with cp._lock:
+                    run.whole.add(shapes)
+            cp.say("whole:" + ctx.why, f"a forward of {cp.unit.name} ran on one GPU: {ctx.why}", show=True)
+        return out
+
+    def _split(self, run, ranks, floor: dict, dm, call, graphs):
+        """One forward over the GPUs of ``ranks``; ``graphs``: the forward's shapes, where it replays as CUDA graphs
+        (recorded at its first such forward of the run).  Returns its output and the first GPU's context."""
+        executor, (x, t, c_concat, c_crossattn, control), topts, kwargs, uncompiled = call
+        cp = self.cp
+        group = Group([d for d, _ in ranks], **floor)
+        if graphs is not None:
+            group.staged = False  # q, k and v sent at the attention call: one island, not three (parallel/graphs.py)
+        keys = cp.unit.block_keys(dm)
+        ctxs = [RankContext(group, r, cp.unit) for r in range(group.size)]
+        for c in ctxs:
+            c.last_key = keys[-1]
+
+        def options(r, device):
+            o = self.rank_options(topts, ctxs[r], keys, device, uncompiled)
+            o = handoff.following(o) if r else handoff.leading(o)
+            return o if graphs is None else _graphed(o, GraphWrapper(run.pieces, graphs, ranks[r][0], cp.graph_type))
+
         futures = []
         handoff = Handoff(_to)  # the other GPUs run the first GPU's diffusion-model call (nodes/handoff.py)
         for r in range(1, group.size):
             dev, model = ranks[r]
             worker = run.workers[(ranks[0][0], r)]
             futures.append(worker.submit(self._rank, run, model, ctxs[r], dev, (x, t, c_concat, c_crossattn, control),
-                                         handoff.following(self.rank_options(topts, ctxs[r], keys, dev, uncompiled)),
-                                         kwargs))
+                                         options(r, dev), kwargs))
         try:
-            first = handoff.leading(self.rank_options(topts, ctxs[0], keys, None, uncompiled))
+            first = options(0, None)
             if uncompiled:
                 out = executor.class_obj.apply_model(x, t, c_concat, c_crossattn, control, first, **kwargs)
             else:
@@ -459,16 +535,9 @@ class SplitForwardWrapper(_Wrapper):
         err = _first_error(futures)
         if err is not None:
             raise err
-        if ctxs[0].split or ctxs[0].split is None:  # split, or no block ran: a step cache reused an output
-            with cp._lock:
-                run.split_forwards += bool(ctxs[0].split)
-                run.reused += ctxs[0].split is None
-        else:
-            if ctxs[0].by_shapes:
-                with cp._lock:
-                    run.whole.add(shapes)
-            cp.say("whole:" + ctxs[0].why, f"a forward of {cp.unit.name} ran on one GPU: {ctxs[0].why}", show=True)
-        return out
+        if graphs is not None:
+            group.settle_all()  # no GPU writes its graphs' memory again before the others have read it
+        return out, ctxs[0]
 
     @staticmethod
     def why_not(control) -> str:
@@ -506,6 +575,60 @@ class SplitForwardWrapper(_Wrapper):
         except BaseException as e:
             ctx.group.abort(e)
             raise
+
+
+def graphs_off(cp, groups, grad: bool = False) -> str:
+    """Why the split forwards of a run on ``groups`` cannot replay as CUDA graphs ("": they can): the node's setting,
+    the model's family, devices other than CUDA GPUs (tests give a stand-in graph), or weights that move during the
+    run (ComfyUI offloading part of a model, or its dynamic VRAM, which faults weights in per call: a graph replays the
+    addresses it recorded)."""
+    if not cp.graphs:
+        return "off"
+    if not cp.unit.graphs:
+        return f"{cp.unit.name} forwards are not replayed as graphs"
+    if grad:
+        return "gradients are on"
+    if cp.graph_type is None and any(d.type != "cuda" for g in groups for d, _ in g):
+        return "not on CUDA GPUs"
+    for g in groups:
+        for _, m in g:
+            if getattr(m, "model_lowvram", False):
+                return "ComfyUI keeps part of the model's weights off the GPU"
+            if getattr(m, "dynamic_vbars", None):
+                return "ComfyUI's dynamic VRAM loads the weights as they are used"
+    return ""
+
+
+class GraphWrapper:
+    """DIFFUSION_MODEL wrapper, innermost, of one GPU's share of a forward that replays as CUDA graphs: records the
+    diffusion model's forward at the first call of its arguments' shapes in the run, replays it from then on
+    (:class:`~..parallel.graphs.Pieces`; ``store``: the run's)."""
+
+    def __init__(self, store: dict, shapes, device, graph_type=None):
+        self.store, self.shapes, self.device, self.graph_type = store, shapes, device, graph_type
+
+    def __call__(self, executor, *args, **kwargs):
+        topts = next(v for v in (*args, *kwargs.values()) if isinstance(v, dict) and CP_KEY in v)
+        ctx = topts[CP_KEY]
+        key, tensors = signature(args, kwargs, topts)
+        k = (self.shapes, ctx.rank, key)
+        pieces = self.store.get(k)
+        if pieces is not None:
+            return pieces.replay(tensors, ctx, topts)
+        pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type)
+        out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
+        self.store[k] = pieces
+        return out
+
+
+GRAPHS_KEY = "patch_attention_context_parallel_graphs"
+
+
+def _graphed(topts: dict, wrapper) -> dict:
+    """``topts`` with ``wrapper`` as its innermost DIFFUSION_MODEL wrapper."""
+    wrappers = dict(topts.get("wrappers", {}))
+    wrappers["diffusion_model"] = {**wrappers.get("diffusion_model", {}), GRAPHS_KEY: [wrapper]}
+    return {**topts, "wrappers": wrappers}
 
 
 def _first_error(futures):
@@ -614,7 +737,13 @@ class OneGpuNotice(SharedWrapper):
 # differs by family: Qwen-Image's split step at 1664² took 0.457 s for 0.297 s of GPU work a GPU, so at its own 1328²
 # (2.2 TFLOP a block, one GPU 0.339 s a step) a split would run about x0.75: the floor for ComfyUI's attention is 3.0,
 # above it, though Wan 2.1 1.3B at 33 frames (2.4) gained x1.40. tests/test_cp_floor.py checks every row against these.
-SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5}
+#
+# "graphs": a family whose split forwards replay as CUDA graphs (parallel/graphs.py; Unit.graphs), in a run whose
+# weights stay where they are: the model's Python no longer runs per forward, only the attention calls and exchanges.
+SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs": 1.0}
+
+# Split forwards of the families that offer it (Unit.graphs) replay as CUDA graphs (ContextParallel(graphs=) overrides).
+GRAPHS = True
 
 # A token floor for every node instead (the split part's tokens; 0: every forward splits, as tests/gpu/soak.py sets it);
 # None: the work floor above.

@@ -40,6 +40,7 @@ class RankContext:
         self.exchanged = 0  # attention calls exchanged in this forward (for the report)
         self.last_key = None  # the block-replace key of the forward's last block (set by the node's forward wrapper)
         self.state = {}  # the family unit's own values for this forward (e.g. which tokens are this rank's)
+        self.graph = None  # the graphs.Pieces recording this forward (None: it runs eagerly, or replays)
         self._layout = None
 
     @property
@@ -162,8 +163,20 @@ class RankContext:
         self.layout = None
         return out
 
+    def island(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)``: in a forward recorded as CUDA graphs, run between two of its pieces, eagerly, at
+        every replay too (:mod:`.graphs`: an exchange, an attention call); otherwise simply called.  ``fn`` takes this
+        context among its arguments, not bound to it (a replay hands it the replayed forward's)."""
+        g = self.graph
+        if g is None or g.inside:
+            return fn(*args, **kwargs)
+        return g.island(fn, *args, **kwargs)
+
     def whole(self, t: torch.Tensor, dim: int = 1, ends: bool = True) -> torch.Tensor:
         """As :meth:`gather`, but the layout stays (one tensor of a block made whole, the blocks still split)."""
+        return self.island(RankContext._whole, self, t, dim, ends)
+
+    def _whole(self, t: torch.Tensor, dim: int = 1, ends: bool = True) -> torch.Tensor:
         lay = self.layout
         p, sfx = (lay.prefix, lay.suffix) if ends else (0, 0)
         shape = list(t.shape)

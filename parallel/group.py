@@ -119,6 +119,20 @@ class Group:
         stream = stream or torch.cuda.current_stream(self.devices[rank])
         return _puller(send, ready, stream, self.devices[peer] == self.devices[rank], self.pitched)
 
+    def settle(self, rank: int) -> None:
+        """This rank's later work waits for the copies the other ranks have enqueued out of its tensors so far (on its
+        send stream).  Eagerly the memory allocator keeps a posted tensor until they are done; a tensor of a CUDA graph
+        has its place in the graph's memory, which a later piece of the graph writes again (:mod:`.graphs`)."""
+        send = self._send[rank]
+        if send is not None:
+            torch.cuda.current_stream(self.devices[rank]).wait_stream(send)
+
+    def settle_all(self) -> None:
+        """:meth:`settle` for every rank, once every rank's forward has returned (from any thread: each device's
+        current stream here is its default stream, which the ranks' threads run on)."""
+        for rank in range(self.size):
+            self.settle(rank)
+
     def receiving(self, rank: int):
         """This rank's receive stream (None off CUDA): copies into buffers its later kernels wait for, one by one."""
         return self._stream(self._recv, rank) if self.devices[rank].type == "cuda" else None

@@ -17,6 +17,9 @@ Interface (:class:`Unit`):
   :class:`~..context.RankContext`; returns what ``inner`` returns;
 - ``patch_run(dm)`` (optional): changes to the diffusion model's modules for one sampling run, on every GPU's copy
   (e.g. Wan's self-attention sending q and k while it computes v); returns the function that undoes them;
+- ``graphs`` (optional, default False): its split forwards may replay as CUDA graphs (:mod:`..graphs`): everything
+  the model computes between its attention calls and the unit's exchanges depends on the forward's tensors and shapes
+  alone, never on a per-step Python value, and makes no tensor on the CPU;
 - ``shared_linears`` (optional, default ``("mod",)``): substrings of the qualified names of the block lists'
   ``Linear`` modules that do not run once per token of the split sequence (modulation from the timestep, the text
   stream, cross-attention's keys and values over the text): left out of the model's work;
@@ -47,6 +50,7 @@ class Unit:
     name = ""
     classes: tuple = ()
     shared_linears: tuple = ("mod",)
+    graphs = False  # its split forwards may replay as CUDA graphs (parallel/graphs.py)
 
     def block_keys(self, dm) -> list:
         raise NotImplementedError

@@ -29,6 +29,7 @@ from . import Unit, by_shapes
 class FluxUnit(Unit):
     name = "Flux.1/Flux.2"
     classes = ("Flux",)
+    graphs = True  # measured: docs/multi-gpu.md, "CUDA graphs in the node"
     # the modulation (double blocks' img_mod/txt_mod, single blocks' modulation) and the double blocks' text stream
     shared_linears = ("_mod", "modulation", "txt_")
 

@@ -32,6 +32,7 @@ TZI = "timestep_zero_index"  # the forward's variable the block reads the latent
 class QwenImageUnit(Unit):
     name = "Qwen-Image"
     classes = ("QwenImageTransformer2DModel",)
+    graphs = True  # measured: docs/multi-gpu.md, "CUDA graphs in the node"
     # the modulation (img_mod, txt_mod) and the text stream (txt_mlp; the attention's add_q/k/v_proj and to_add_out)
     shared_linears = ("_mod", "txt_", "add_", "to_add_out")
 
@@ -91,6 +92,7 @@ class QwenImageUnit(Unit):
 class MageFlowUnit(QwenImageUnit):
     name = "Mage-Flow"
     classes = ("MageFlowTransformer2DModel",)
+    graphs = False  # not measured
 
 
 def _cell(fn, name: str):

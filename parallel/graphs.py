@@ -1,0 +1,266 @@
+"""One rank's split forward replayed as CUDA graphs, in pieces between its exchanges.
+
+A short sequence split over GPUs leaves each GPU less work than the host needs to launch it: every GPU's thread runs the
+model's Python under one interpreter lock (docs/multi-gpu.md, "Threads or a process per GPU").  A CUDA graph launches a
+piece of a forward's kernels at once, with none of the model's Python.  What cannot be in a graph runs between the
+pieces, eagerly, as it does now: the *islands* -- every attention call (the exchange between GPUs is a rendezvous of
+threads, and some kernels, SageAttention's sm90 one among them, launch on the legacy stream, which a capture does not
+record) and every other exchange of the forward (a gather of the tokens).  So a forward is
+
+    piece 0, island 0, piece 1, island 1, ..., piece n
+
+and :class:`Pieces` records it once (the forward runs its Python while each piece is captured; each piece is then
+replayed at once, so the island after it sees real values, and the recording's output is the forward's) and replays it
+from then on: each piece's graph, each island's function again on the same tensors (the graphs' memory keeps its
+addresses), its output copied where the next piece reads it.  The attention kernels, ``auto``'s checks, the NaN flags
+and the statistics run in the islands as before; the model's own Python runs once per run and shape.
+
+What a replay takes from the forward it replaces: the inputs' tensors (copied into the recording's), this forward's
+:class:`~.context.RankContext` and ``transformer_options`` for the islands (in place of the recording's: the run's
+per-step values, sigma among them, are read there), and the values the model writes into ``transformer_options`` as it
+goes (block index, ...), set again before each island.  What it cannot see: a per-step Python value the model reads in
+a piece.  Where that matters the family's unit does not offer graphs (``Unit.graphs``).
+
+No ComfyUI here; the node decides which forwards replay (nodes/context_parallel.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+# the RankContext fields a replay sets as the recording had them at each island (the others are the forward's own)
+_SNAPSHOT = ("layout", "_layout", "others", "whole_queries", "masks", "split", "why", "by_shapes", "state")
+
+
+class Unkeyable(Exception):
+    """A forward's arguments hold something a replay could not take from the next forward (the message says what)."""
+
+
+class _Mark:
+    """Where the recorded forward's context or ``transformer_options`` stood in an island's arguments."""
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return f"<{self.name}>"
+
+
+CTX, TOPTS = _Mark("context"), _Mark("transformer_options")
+
+
+def signature(args: tuple, kwargs: dict, topts: dict) -> tuple[tuple, list]:
+    """(key, tensors) of a forward's arguments: the key tells two forwards a replay serves alike (shapes, dtypes,
+    devices, strides, plain values); the tensors are what a replay copies in.  ``topts`` (the forward's
+    ``transformer_options``) is taken from the forward itself.  :class:`Unkeyable` for anything else."""
+    tensors = []
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            tensors.append(v)
+            return "T", tuple(v.shape), v.dtype, v.device, v.stride()
+        if v is topts:
+            return "TOPTS"
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, (list, tuple)):
+            return type(v).__name__, tuple(walk(x) for x in v)
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return "dict", tuple((k, walk(x)) for k, x in v.items())
+        raise Unkeyable(f"a {type(v).__name__} among the diffusion model's arguments")
+
+    key = walk((tuple(args), dict(kwargs)))
+    return key, tensors
+
+
+def rebuild(args: tuple, kwargs: dict, topts: dict, tensors: list) -> tuple[tuple, dict]:
+    """``args`` and ``kwargs`` with their tensors, in :func:`signature`'s order, replaced by ``tensors``."""
+    it = iter(tensors)
+
+    def walk(v):
+        if isinstance(v, torch.Tensor):
+            return next(it)
+        if v is topts:
+            return v
+        if isinstance(v, (list, tuple)):
+            return type(v)(walk(x) for x in v)
+        if isinstance(v, dict):
+            return {k: walk(x) for k, x in v.items()}
+        return v
+
+    return walk(tuple(args)), walk(dict(kwargs))
+
+
+def _mark(v, ctx, topts):
+    """``v`` with the recorded forward's ``ctx`` and ``topts`` marked (nested in lists, tuples and dicts); a copy of
+    ``topts`` the model made on the way (a dict that holds ``ctx``) counts as ``topts``."""
+    if v is ctx:
+        return CTX
+    if v is topts or (isinstance(v, dict) and any(x is ctx for x in v.values())):
+        return TOPTS
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(_mark(x, ctx, topts) for x in v)
+    if isinstance(v, dict):
+        return {k: _mark(x, ctx, topts) for k, x in v.items()}
+    return v
+
+
+def _unmark(v, ctx, topts):
+    if v is CTX:
+        return ctx
+    if v is TOPTS:
+        return topts
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(_unmark(x, ctx, topts) for x in v)
+    if isinstance(v, dict):
+        return {k: _unmark(x, ctx, topts) for k, x in v.items()}
+    return v
+
+
+def _copy_into(dst, src) -> None:
+    """``src``'s values into ``dst`` (the recorded island's output: tensors in nested tuples and lists)."""
+    if isinstance(dst, torch.Tensor):
+        if src is not dst:
+            dst.copy_(src)
+    elif isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src):
+            _copy_into(d, s)
+
+
+def _clone(v):
+    if isinstance(v, torch.Tensor):
+        return v.clone()
+    if isinstance(v, (list, tuple)):
+        return type(v)(_clone(x) for x in v)
+    if isinstance(v, dict):
+        return {k: _clone(x) for k, x in v.items()}
+    return v
+
+
+class Pieces:
+    """One rank's forward of one key (:func:`signature`) as graphs between islands.  ``graph_type``: the class of a
+    graph (``torch.cuda.CUDAGraph``; tests give a stand-in that records and replays on the CPU)."""
+
+    def __init__(self, device, graph_type=None):
+        self.device = torch.device(device)
+        self.cuda = self.device.type == "cuda"
+        self.graph_type = graph_type or torch.cuda.CUDAGraph
+        self.graphs = []
+        self.islands = []  # (fn, marked args, marked kwargs, context fields, topts writes, recorded output)
+        self.static = []  # the recorded forward's input tensors, which every replay fills
+        self.out = None
+        self.final = None  # (context fields, topts writes) at the forward's end
+        self.inside = False  # an island is running (the calls it makes are not islands of their own)
+        self._graph = None
+        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
+        self._outer = None
+        self._ctx = self._topts = self._start = None
+
+    # ------------------------------------------------------------------ recording
+
+    def record(self, fn, args: tuple, kwargs: dict, tensors: list, ctx, topts: dict):
+        """Run ``fn(*args, **kwargs)`` (the diffusion model's forward: ``tensors`` its input tensors, ``ctx`` and
+        ``topts`` this rank's context and ``transformer_options``) while recording it; its output (a copy)."""
+        self.static = [t.clone() for t in tensors]
+        args, kwargs = rebuild(args, kwargs, topts, self.static)
+        self._ctx, self._topts, self._start = ctx, topts, dict(topts)
+        ctx.graph = self
+        self._begin()
+        try:
+            out = fn(*args, **kwargs)
+            self._end()
+        except BaseException:
+            self._abort()
+            raise
+        finally:
+            ctx.graph = None
+        self.final = (self._fields(ctx), self._writes())
+        self.out = out
+        self._ctx = self._topts = None
+        return _clone(out)
+
+    def island(self, fn, *args, **kwargs):
+        """``fn(*args, **kwargs)`` run eagerly between two pieces of the recording (and again at every replay, with the
+        replayed forward's context and ``transformer_options`` where the recording's stood in its arguments)."""
+        ctx, topts = self._ctx, self._topts
+        self._end()
+        fields, writes = self._fields(ctx), self._writes()
+        self.inside = True
+        try:
+            out = fn(*args, **kwargs)
+        finally:
+            self.inside = False
+        ctx.group.settle(ctx.rank)
+        self.islands.append((fn, _mark(args, ctx, topts), _mark(kwargs, ctx, topts), fields, writes, out))
+        self._begin()
+        return out
+
+    def _writes(self) -> dict:
+        """What the forward wrote into its ``transformer_options`` so far (the block index, ...)."""
+        start = self._start
+        return {k: v for k, v in self._topts.items() if k not in start or start[k] is not v}
+
+    @staticmethod
+    def _fields(ctx) -> dict:
+        return {k: getattr(ctx, k) for k in _SNAPSHOT}
+
+    def _begin(self) -> None:
+        g = self.graph_type()
+        if self.cuda:
+            self._outer = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(self._outer)
+            torch.cuda.set_stream(self._stream)
+            try:
+                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            except BaseException:
+                torch.cuda.set_stream(self._outer)
+                raise
+        else:
+            g.capture_begin()
+        self._graph = g
+
+    def _end(self) -> None:
+        g, self._graph = self._graph, None
+        try:
+            g.capture_end()
+        finally:
+            if self.cuda:
+                torch.cuda.set_stream(self._outer)
+                self._outer.wait_stream(self._stream)
+        self.graphs.append(g)
+        g.replay()  # the piece's values, for the island after it
+
+    def _abort(self) -> None:
+        """A recording that failed: its capture ended (its error, if any, left to the one that stopped it)."""
+        if self._graph is not None:
+            try:
+                self._end()
+            except Exception:  # the capture was invalidated by what failed in it
+                pass
+        self.graphs, self.islands = [], []
+
+    # ------------------------------------------------------------------ replaying
+
+    def replay(self, tensors: list, ctx, topts: dict):
+        """The recorded forward on ``tensors`` (its inputs, in :func:`signature`'s order) for the forward whose
+        context and ``transformer_options`` are ``ctx`` and ``topts``; its output (a copy)."""
+        for s, t in zip(self.static, tensors):
+            s.copy_(t)
+        for g, (fn, args, kwargs, fields, writes, out) in zip(self.graphs, self.islands):
+            g.replay()
+            for k, v in fields.items():
+                setattr(ctx, k, v)
+            topts.update(writes)
+            self.inside = True
+            try:
+                _copy_into(out, fn(*_unmark(args, ctx, topts), **_unmark(kwargs, ctx, topts)))
+            finally:
+                self.inside = False
+            ctx.group.settle(ctx.rank)
+        self.graphs[-1].replay()
+        fields, writes = self.final
+        for k, v in fields.items():
+            setattr(ctx, k, v)
+        topts.update(writes)
+        return _clone(self.out)

@@ -1,0 +1,236 @@
+"""Split forwards replayed as CUDA graphs (parallel/graphs.py, the Context Parallel node's GraphWrapper) on the CPU.
+
+A CUDA graph needs a GPU; here a stand-in with its interface records every operation of a piece (a dispatch mode) and
+runs them again, into the tensors it recorded, at each replay: what a graph does, on the CPU.  So the node's pieces and
+islands are what is tested -- which work a replay skips, what it runs again, with which forward's values -- on 2, 3 and
+4 simulated ranks; that real graphs record the same work is checked on GPUs (tests/gpu/multigpu.py, ``--graphs``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+
+import pytest
+import torch
+from test_context_parallel import _case, _split, rel_l1
+from test_cp_qwen_image import _qwen_case
+from torch.utils._python_dispatch import TorchDispatchMode
+
+zoo = importlib.import_module("test_context_parallel").zoo  # the fixture
+
+
+class _Recorder(TorchDispatchMode):
+    def __init__(self, ops):
+        super().__init__()
+        self.ops = ops
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.append((func, args, kwargs or {}, out))
+        return out
+
+
+def _same_memory(a, b) -> bool:
+    return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+
+
+def _into(dst, src):
+    if isinstance(dst, torch.Tensor) and isinstance(src, torch.Tensor):
+        if not _same_memory(dst, src):  # an in-place operation or a view wrote (or is) the recorded tensor already
+            dst.copy_(src)
+    elif isinstance(dst, (list, tuple)):
+        for d, s in zip(dst, src):
+            _into(d, s)
+
+
+class RecordedGraph:
+    """``torch.cuda.CUDAGraph``'s interface on the CPU.  Capture runs and records each operation (a CUDA capture records
+    without running: the first replay after a capture is therefore a no-op here); a replay runs them again on the
+    recorded tensors, writing into the recorded outputs, with none of the Python that made them."""
+
+    replays = 0
+    graphs = 0
+
+    def capture_begin(self, pool=None, capture_error_mode=None):
+        self.ops, self.fresh = [], True
+        self.mode = _Recorder(self.ops)
+        self.mode.__enter__()
+        RecordedGraph.graphs += 1
+
+    def capture_end(self):
+        self.mode.__exit__(None, None, None)
+
+    def replay(self):
+        if self.fresh:
+            self.fresh = False
+            return
+        RecordedGraph.replays += 1
+        for func, args, kwargs, out in self.ops:
+            _into(out, func(*args, **kwargs))
+
+
+class FailingGraph(RecordedGraph):
+    """A graph whose capture fails as CUDA's does where a piece makes a tensor on the CPU."""
+
+    def capture_begin(self, pool=None, capture_error_mode=None):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+
+def _node(mod):
+    return importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+
+
+def graphed(mod, model, n, graph_type=RecordedGraph, graphs=True):
+    """``model`` split over ``n`` simulated ranks whose split forwards replay on ``graph_type`` graphs."""
+    m = _split(mod, model, n)
+    cp = m.wrappers["sampler_sample"][_node(mod).WRAPPER_KEY][0].cp
+    cp.graph_type, cp.graphs = graph_type, graphs
+    return m
+
+
+CASES = [("Flux", None), ("FluxSchnell", None), ("Flux2", None), ("QwenImage", "t2i"), ("QwenImage", "edit-2511")]
+
+
+def sample(z, model, case):
+    """As ComfyUI samples: in inference mode (a run with gradients on keeps its forwards eager)."""
+    with torch.inference_mode():
+        return z.sample(model, case)
+
+
+def _build(z, name, config):
+    if config is None:
+        cls, case = _case(z, name)
+    else:
+        name, case = _qwen_case(z, config)
+        import comfy.supported_models as sm
+
+        cls = getattr(sm, name)
+    return z.build(cls, z.with_(case, steps=4)), z.with_(case, steps=4)
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name,config", CASES)
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_replayed_graphs_give_the_eager_split_latent_bit_for_bit(zoo, caplog, name, config, n):
+    """4 steps: the first forward of its shapes runs eagerly, the second is recorded, the last two replay; the latent
+    is the eager split's bit for bit (the same operations on the same values) and the one-device latent's."""
+    z, mod, _ = zoo
+    base, case = _build(z, name, config)
+    ref = sample(z, base, case)
+    eager = sample(z, graphed(mod, base, n, graphs=False), case)
+    RecordedGraph.replays = RecordedGraph.graphs = 0
+    with caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
+        out = sample(z, graphed(mod, base, n), case)
+    assert torch.equal(out, eager)
+    assert rel_l1(out, ref) < 1e-5
+    assert RecordedGraph.replays > 0
+    said = [r.getMessage() for r in caplog.records if "forwards split" in r.getMessage()]
+    assert said and "3 of them replayed as CUDA graphs" in said[-1], said
+
+
+@pytest.mark.comfyui
+def test_a_replay_skips_the_models_python_and_runs_every_attention_call(zoo, monkeypatch):
+    """What replays is the graphs and the islands: the model's blocks are not called again (their Python is in the
+    graphs), every attention call is, on every rank, in the forward's own order."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    dm = base.model.diffusion_model
+    blocks = [0]
+    for b in (*dm.double_blocks, *dm.single_blocks):
+        forward = b.forward
+
+        def counted(*a, _f=forward, **k):
+            blocks[0] += 1
+            return _f(*a, **k)
+
+        monkeypatch.setattr(b, "forward", counted)
+    n = 3
+    m = graphed(mod, base, n)
+    hook = m.model_options["transformer_options"]["optimized_attention_override"]
+    calls = [0]
+    route = type(hook)._route
+
+    def counting(self, *a, **k):
+        calls[0] += 1
+        return route(self, *a, **k)
+
+    monkeypatch.setattr(type(hook), "_route", counting)
+    sample(z, m, case)
+    per_forward = len(dm.double_blocks) + len(dm.single_blocks)
+    # every rank runs its blocks in the eager forward and the recorded one; none in the two replayed
+    assert blocks[0] == 2 * n * per_forward
+    # every attention call of every forward, replayed or not (one joint call per block)
+    assert calls[0] == 4 * n * per_forward
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 4])
+def test_a_replay_hands_its_own_steps_sigma_to_patch_attention(zoo, n):
+    """Patch Attention's kernel between 40 % and 100 % of the run, exact elsewhere: the choice is taken per call from
+    the forward's sigma, so each replayed step must see its own (the lanes count the same calls as the eager split)."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    patch = mod.nodes.patch.patch_model
+
+    def counts(graphs):
+        m = graphed(mod, patch(base, "sdpa_math", start_percent=0.4, end_percent=1.0, log_stats=True), n,
+                    graphs=graphs)
+        ov = m.model_options["transformer_options"]["optimized_attention_override"].inner
+        out = sample(z, m, case)
+        return out, sorted(sorted(dict(ln.config.stats.calls).items()) for ln in ov.lanes())
+
+    eager, eager_calls = counts(False)
+    out, calls = counts(True)
+    assert torch.equal(out, eager)
+    assert calls == eager_calls
+    assert len({k for lane in calls for k, _ in lane}) == 2  # two kinds of calls: the kernel's and the exact ones
+
+
+@pytest.mark.comfyui
+def test_a_graph_that_cannot_be_recorded_leaves_the_run_eager_and_says_so_once(zoo, caplog):
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    ref = sample(z, graphed(mod, base, 2, graphs=False), case)
+    with caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
+        out = sample(z, graphed(mod, base, 2, graph_type=FailingGraph), case)
+    assert torch.equal(out, ref)
+    said = [r.getMessage() for r in caplog.records if "could not run as CUDA graphs" in r.getMessage()]
+    assert len(said) == 1 and "operation not permitted when stream is capturing" in said[0]
+    done = [r.getMessage() for r in caplog.records if "forwards split" in r.getMessage()]
+    assert "CUDA graphs" not in done[-1]
+
+
+class _Model:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+
+@pytest.mark.comfyui
+def test_weights_that_move_during_a_run_keep_it_eager(zoo):
+    """A graph replays the addresses it recorded: a model ComfyUI partly offloads, or loads per call (dynamic VRAM),
+    runs without graphs, and so does a family that does not offer them."""
+    z, mod, _ = zoo
+    node = _node(mod)
+    base, _ = _build(z, "Flux", None)
+    cp = graphed(mod, base, 2).wrappers["sampler_sample"][node.WRAPPER_KEY][0].cp
+    cuda = [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+    def why(model, devices=cuda, graph_type=RecordedGraph):
+        cp.graph_type = graph_type
+        return node.graphs_off(cp, [[(d, model) for d in devices]])
+
+    assert why(_Model()) == ""
+    assert "part of the model's weights" in why(_Model(model_lowvram=True))
+    assert "dynamic VRAM" in why(_Model(dynamic_vbars={cuda[0]: object()}))
+    assert why(_Model(), devices=[torch.device("cpu")] * 2, graph_type=None) == "not on CUDA GPUs"
+    cp.graphs = False
+    assert why(_Model()) == "off"
+    families = importlib.import_module(mod.__name__ + ".parallel.families")
+    wan = node.ContextParallel(families.unit_for(_wan(z).model.diffusion_model))
+    assert "not replayed as graphs" in node.graphs_off(wan, [[(d, _Model()) for d in cuda]])
+
+
+def _wan(z):
+    cls, case = _case(z, "WAN21_T2V")
+    return z.build(cls, case)
