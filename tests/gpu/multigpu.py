@@ -17,7 +17,8 @@ same cache, its "skipped n/m steps" in the row), ``-compile`` on any mode (Comfy
 multi-GPU node as a workflow would: the node runs its split forwards uncompiled, one GPU compiles in the warm-up), ``-swN`` on any mode (Python's thread
 switch interval set to N microseconds for the row instead of 5,000: how long a thread waiting for the interpreter lock
 waits before it asks for it; set in the benchmark's own process, to diagnose host-bound rows); modifiers combine:
-``cp-flat-a128@2``); backend
+``cp-flat-a128@2``), ``-eager`` (split forwards never replayed as CUDA graphs, for the families that offer them:
+Flux, Qwen-Image); backend
 ``unpatched``
 or a Patch Attention backend (``auto``, ``auto_exact``, a kernel), applied before the multi-GPU node as a workflow would.
 The model is ComfyUI's class at full size with random bf16 weights (bench_e2e's preset), one copy per GPU made from the
@@ -101,7 +102,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
+MODIFIERS = re.compile(r"-eager|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
 SAME_RUN = re.compile(r"-compile|-easycache\d+|-lazycache\d+")  # what a row's one-GPU baseline has too
 
 
@@ -270,17 +271,19 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         grp.PITCHED = "-flat" not in mods
         grp.STAGED = "-unstaged" not in mods
         grp.WORDS = "-narrow" not in mods
+        cpn.GRAPHS = "-eager" not in mods
         grp.ALIGN = next((int(m[2:]) for m in mods if m.startswith("-a")), exchange["ALIGN"])
         sys.setswitchinterval(next((int(m[3:]) * 1e-6 for m in mods if m.startswith("-sw")), switch))
         try:
             m = row_model(pack, cpn, job, extra, row)
             t0 = time.perf_counter()
-            e2e._sample(m, job, 1)  # warm-up: loads every GPU's copy, tunes auto, loads kernels
+            with torch.inference_mode():  # as ComfyUI's executor samples (a run with gradients on replays no graphs)
+                e2e._sample(m, job, 1)  # warm-up: loads every GPU's copy, tunes auto, loads kernels
             torch.cuda.synchronize()
             r["warmup_s"] = round(time.perf_counter() - t0, 2)
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
-            with CacheSaid() as said:
+            with CacheSaid() as said, torch.inference_mode():
                 latent, dt, whole = e2e._timed_sample(m, job)
             if said.lines:
                 r["cache_said"] = said.lines[-1]
@@ -305,6 +308,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         uly.PIPELINE_PARTS = rule
         for name, value in exchange.items():
             setattr(grp, name, value)
+        cpn.GRAPHS = True
         sys.setswitchinterval(switch)
         torch.cuda.empty_cache()
         say(json.dumps({k: v for k, v in r.items() if k not in ("trace", "counted", "profile")}))

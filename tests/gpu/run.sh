@@ -107,6 +107,8 @@
 #   multigpu-floor sizes between what splits and what does not (Wan 1.3B 49/65 frames, Wan 14B 17 frames, Flux 1536²,
 #                  Qwen-Image 1664²), one GPU against every forward split, unpatched and sage_fp8_sm90 (~9 min)
 #   multigpu-floor-node  the same sizes and Flux 1024² with the node's own floor: which it splits, and what that gives
+#   multigpu-graphs split forwards replayed as CUDA graphs (~6 min): Flux.1 dev 1024² and Qwen-Image 1328² at CFG 1, every
+#                  forward split (cp: graphs, cp-eager: none) against one GPU; GRAPHS_PRESETS as FLOOR_PRESETS
 #   multigpu-caches ComfyUI's EasyCache and LazyCache (threshold CACHE_THRESHOLD/100, default 20) after the node, Wan 2.1
 #                  1.3B 480p/81f, 10 steps, CFG 1 (CACHE_PRESET, CACHE_STEPS, CACHE_BACKEND): does the ratio multiply?
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
@@ -471,6 +473,16 @@ stage_multigpu-floor() {  # where splitting starts to pay, under the node's thre
     p=${x%%=*}
     MG_PRESET=$p MG_STEPS=${FLOOR_STEPS:-3} MG_ROUNDS=${FLOOR_ROUNDS:-2} MG_MIN_TOKENS=0 MG_LIMIT=${x#*=} \
       MG_ROWS=${FLOOR_ROWS:-1:unpatched,cp:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90} stage_multigpu || status=1
+  done
+  return $status
+}
+stage_multigpu-graphs() {  # CUDA graphs of split forwards against the eager split and one GPU (GRAPHS_PRESETS: preset=seconds)
+  local x p status=0
+  for x in $(echo "${GRAPHS_PRESETS:-flux-dev=150,qwen-image=240}" | tr , ' '); do
+    p=${x%%=*}
+    MG_PRESET=$p MG_STEPS=${GRAPHS_STEPS:-6} MG_ROUNDS=${GRAPHS_ROUNDS:-2} MG_MIN_TOKENS=${GRAPHS_MIN_TOKENS-0} \
+      MG_LIMIT=${x#*=} MG_ROWS=${GRAPHS_ROWS:-1:unpatched,cp:unpatched,cp-eager:unpatched,1:sage_fp8_sm90,cp:sage_fp8_sm90,1:auto_exact,cp:auto_exact} \
+      stage_multigpu || status=1
   done
   return $status
 }
