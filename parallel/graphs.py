@@ -27,6 +27,7 @@ No ComfyUI here; the node decides which forwards replay (nodes/context_parallel.
 from __future__ import annotations
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 # the RankContext fields a replay sets as the recording had them at each island (the others are the forward's own)
 _SNAPSHOT = ("layout", "_layout", "others", "whole_queries", "masks", "split", "why", "by_shapes", "state")
@@ -117,6 +118,13 @@ def _unmark(v, ctx, topts):
     return v
 
 
+def _alias(t: torch.Tensor) -> torch.Tensor:
+    """A tensor over ``t``'s memory that does not keep it (as PyTorch's CUDA graph trees hold a graph's tensors)."""
+    st = t.untyped_storage()
+    memory = torch._C._construct_storage_from_data_pointer(st.data_ptr(), t.device, st.nbytes())
+    return torch.empty((0,), dtype=t.dtype, device=t.device).set_(memory, t.storage_offset(), t.size(), t.stride())
+
+
 def _copy_into(dst, src) -> None:
     """``src``'s values into ``dst`` (the recorded island's output: tensors in nested tuples and lists)."""
     if isinstance(dst, torch.Tensor):
@@ -156,6 +164,8 @@ class Pieces:
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._outer = None
         self._ctx = self._topts = self._start = None
+        self._staging = {}  # (shape, dtype) -> where a replayed island's output waits for the next piece
+        self._weak = []  # (the storage's weak reference, its alias) of every island argument held by alias
 
     # ------------------------------------------------------------------ recording
 
@@ -178,6 +188,7 @@ class Pieces:
         self.final = (self._fields(ctx), self._writes())
         self.out = out
         self._ctx = self._topts = None
+        self._check_aliases()
         return _clone(out)
 
     def island(self, fn, *args, **kwargs):
@@ -192,9 +203,50 @@ class Pieces:
         finally:
             self.inside = False
         ctx.group.settle(ctx.rank)
-        self.islands.append((fn, _mark(args, ctx, topts), _mark(kwargs, ctx, topts), fields, writes, out))
+        args, kwargs = _mark(args, ctx, topts), _mark(kwargs, ctx, topts)
+        stage = None
+        if self.cuda:
+            # the island's inputs are held by alias: their memory, the graphs', serves the later pieces too (a piece
+            # writes them again only after the island read them, in stream order); its output waits in a buffer
+            # shared by the islands of its shape, which the next piece copies first
+            args, kwargs = self._held(args), self._held(kwargs)
+            if isinstance(out, torch.Tensor) and out.is_contiguous():
+                stage = self._staging.get((out.shape, out.dtype))
+                if stage is None:
+                    stage = self._staging[(out.shape, out.dtype)] = torch.empty_like(out)
+                stage.copy_(out)
+        self.islands.append((fn, args, kwargs, fields, writes, out if stage is None else stage))
         self._begin()
-        return out
+        return out if stage is None else stage.clone()
+
+    def _held(self, v):
+        """``v`` with its tensors replaced by aliases (:func:`_alias`; nested in lists, tuples and dicts)."""
+        if isinstance(v, torch.Tensor) and v.is_cuda:
+            a = _alias(v)
+            self._weak.append((StorageWeakRef(v.untyped_storage()), a))
+            return a
+        if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+            return type(v)(self._held(x) for x in v)
+        if isinstance(v, dict):
+            return {k: self._held(x) for k, x in v.items()}
+        return v
+
+    def _check_aliases(self) -> None:
+        """Every island argument held by alias whose tensor is gone lies in the graphs' own memory, which lives as long
+        as the graphs (the others are kept by their owners: the model's weights, the recording's inputs).  A clear
+        error otherwise (the node then runs the forward without graphs)."""
+        gone = [a for ref, a in self._weak if ref.expired()]
+        self._weak = []
+        if not gone:
+            return
+        pool = tuple(self._pool)
+        spans = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
+                 if tuple(s.get("segment_pool_id", ())) == pool]
+        for a in gone:
+            p = a.untyped_storage().data_ptr()
+            if not any(lo <= p < hi for lo, hi in spans):
+                raise RuntimeError("an attention call's input lies outside the CUDA graphs' memory, so a replay could "
+                                   "not read it")
 
     def _writes(self) -> dict:
         """What the forward wrote into its ``transformer_options`` so far (the block index, ...)."""

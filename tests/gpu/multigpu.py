@@ -180,6 +180,68 @@ def _row_model(pack, cpn, job, extra, row):
     return cpn.context_parallel(m, gpus=gpus, cfg_split=(mode == "cp-cfg"), min_tokens=MIN_TOKENS[0])
 
 
+class HostTime:
+    """Where the host's time goes in replayed forwards (rows that replay CUDA graphs): per replay, its whole time, the
+    time waiting at the exchanges' rendezvous and the time launching the graphs, summed over the ranks' threads."""
+
+    def __init__(self, pack):
+        self.graphs = importlib.import_module(pack.__name__ + ".parallel.graphs")
+        self.group = importlib.import_module(pack.__name__ + ".parallel.group")
+        self.n = 0
+        self.total = self.wait = self.launch = 0.0
+
+    def __enter__(self):
+        import threading
+
+        pieces, group, me = self.graphs.Pieces, self.group.Group, self
+        tls = threading.local()
+        self._replay, self._post = pieces.replay, group._post
+
+        def replay(p, *a, _f=pieces.replay, **k):
+            graphs = p.graphs
+            launch = [0.0]
+
+            class Timed:  # each graph's replay, timed
+                def __init__(self, g):
+                    self.g = g
+
+                def replay(self):
+                    t = time.perf_counter()
+                    self.g.replay()
+                    launch[0] += time.perf_counter() - t
+
+            p.graphs = [Timed(g) for g in graphs]
+            t0 = time.perf_counter()
+            tls.on = True
+            try:
+                return _f(p, *a, **k)
+            finally:
+                tls.on = False
+                p.graphs = graphs
+                me.total += time.perf_counter() - t0
+                me.launch += launch[0]
+                me.n += 1
+
+        def post(g, *a, _f=group._post, **k):
+            t = time.perf_counter()
+            try:
+                return _f(g, *a, **k)
+            finally:
+                if getattr(tls, "on", False):
+                    me.wait += time.perf_counter() - t
+
+        pieces.replay, group._post = replay, post
+        return self
+
+    def __exit__(self, *exc):
+        self.graphs.Pieces.replay, self.group.Group._post = self._replay, self._post
+
+    def summary(self) -> dict:
+        n = max(self.n, 1)
+        return {"replays": self.n, "replay_ms": round(1e3 * self.total / n, 2),
+                "rendezvous_ms": round(1e3 * self.wait / n, 2), "graph_launch_ms": round(1e3 * self.launch / n, 2)}
+
+
 def peaks():
     return [round(torch.cuda.max_memory_allocated(i) / 2**30, 2) for i in range(torch.cuda.device_count())]
 
@@ -201,16 +263,20 @@ def rel_l1(a, b) -> float:
 
 
 def profile_step(e2e, m, job) -> str:
-    """One step under torch.profiler, both GPUs: the top device operations by time (a table), then where each GPU
-    idles (:func:`device_gaps`)."""
+    """The third step of a 4-step run under torch.profiler, both GPUs (the first forward of a run's shapes runs
+    eagerly, the second is recorded, the third on replays where the row replays CUDA graphs): the top device operations
+    by time (a table), then where each GPU idles (:func:`device_gaps`)."""
     import dataclasses
 
-    from torch.profiler import ProfilerActivity, profile
+    from torch.profiler import ProfilerActivity, profile, schedule
 
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        e2e._sample(m, dataclasses.replace(job, steps=1), 1)
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA],
+                 schedule=schedule(wait=2, warmup=0, active=1, repeat=1)) as prof:
+        with torch.inference_mode():
+            e2e._sample(m, dataclasses.replace(job, steps=4), 4, callback=lambda *_: prof.step())
         torch.cuda.synchronize()
     return (prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60) + "\n"
+            + prof.key_averages().table(sort_by="cpu_time_total", row_limit=25, max_name_column_width=60) + "\n"
             + device_gaps(prof))
 
 
@@ -283,8 +349,10 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
             r["warmup_s"] = round(time.perf_counter() - t0, 2)
             for i in range(torch.cuda.device_count()):
                 torch.cuda.reset_peak_memory_stats(i)
-            with CacheSaid() as said, torch.inference_mode():
+            with CacheSaid() as said, torch.inference_mode(), HostTime(pack) as host:
                 latent, dt, whole = e2e._timed_sample(m, job)
+            if host.n:
+                r["host"] = host.summary()
             if said.lines:
                 r["cache_said"] = said.lines[-1]
             if row in profile_rows and rnd == 0:
