@@ -189,6 +189,12 @@ class HostTime:
         self.group = importlib.import_module(pack.__name__ + ".parallel.group")
         self.n = 0
         self.total = self.wait = self.launch = 0.0
+        # MG_PYPROFILE=1: the first GPU's replays under cProfile (the main thread's), the top functions in the row
+        self.prof = None
+        if os.environ.get("MG_PYPROFILE"):
+            import cProfile
+
+            self.prof = cProfile.Profile()
 
     def __enter__(self):
         import threading
@@ -213,9 +219,14 @@ class HostTime:
             p.graphs = [Timed(g) for g in graphs]
             t0 = time.perf_counter()
             tls.on = True
+            main = me.prof is not None and threading.current_thread() is threading.main_thread()
+            if main:
+                me.prof.enable()
             try:
                 return _f(p, *a, **k)
             finally:
+                if main:
+                    me.prof.disable()
                 tls.on = False
                 p.graphs = graphs
                 me.total += time.perf_counter() - t0
@@ -238,8 +249,16 @@ class HostTime:
 
     def summary(self) -> dict:
         n = max(self.n, 1)
-        return {"replays": self.n, "replay_ms": round(1e3 * self.total / n, 2),
-                "rendezvous_ms": round(1e3 * self.wait / n, 2), "graph_launch_ms": round(1e3 * self.launch / n, 2)}
+        out = {"replays": self.n, "replay_ms": round(1e3 * self.total / n, 2),
+               "rendezvous_ms": round(1e3 * self.wait / n, 2), "graph_launch_ms": round(1e3 * self.launch / n, 2)}
+        if self.prof is not None:
+            import io
+            import pstats
+
+            text = io.StringIO()
+            pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(45)
+            out["pyprofile"] = text.getvalue()[-9000:]
+        return out
 
 
 def peaks():
