@@ -17,7 +17,7 @@ from functools import cached_property
 
 import torch
 
-from .group import Group, split
+from .group import Group, finish, split
 
 
 @dataclass(frozen=True)
@@ -143,6 +143,7 @@ class Exchange:
             for dst, src in _ends(lay.prefix, lay.suffix, lay.full_len, lay.local_len(peer)):
                 for buf, t, cut in zip(bufs, tensors, cuts):
                     copy(cut.rows(buf, dst), cut.of(t, src, a, a + n))
+        finish(copy)
 
     def to_heads(self, tensors: tuple, cuts: tuple, parts: list) -> list:
         """``tensors`` exchanged (one rendezvous) in ``parts`` of this rank's key/value heads ((start, count) within
@@ -198,6 +199,7 @@ class Exchange:
                 copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
             for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1]):
                 copy(out[:, dst_rows, heads], op[:, src_rows])
+            finish(copy)
         return out
 
     def done(self, out):

@@ -150,7 +150,9 @@ class Group:
         into ``dst`` on this rank's device; this rank's current stream waits for it.  ``like``: as for :meth:`post`."""
         posted = self.post(rank, tensors, like)
         for peer in range(self.size):
-            fill(peer, posted[peer][0], self.puller(rank, peer, posted))
+            copy = self.puller(rank, peer, posted)
+            fill(peer, posted[peer][0], copy)
+            finish(copy)
 
 
 def _copy(dst, src):
@@ -191,20 +193,27 @@ def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
     and a strided destination filled from a contiguous copy on this one.  A strided copy by a kernel across devices
     would read or write the other GPU's memory in pieces of one head's row.  Across devices PyTorch orders the copy
     between the two current streams (``send`` and ``stream`` here), and the 2-D copy is ordered the same way; on one
-    device (ranks simulated on one GPU) that is done here."""
-    waited = []
+    device (ranks simulated on one GPU) that is done here.
+
+    The 2-D copies of one puller are ordered as one: ``send`` waits for ``stream`` before the first, and ``stream``
+    waits for ``send`` once the caller has made them all (``copy.done()``, :func:`finish`): every copy into a buffer
+    before anything on ``stream`` reads it, with two waits instead of two per copy (the host's work per exchanged
+    call, what short sequences are bound by)."""
+    state = [False, False, False]  # waited for ``ready``; ``send`` after ``stream``; ``stream`` still to wait
 
     def copy(dst, src):
-        if not waited:
+        if not state[0]:
             send.wait_event(ready)
-            waited.append(True)
+            state[0] = True
         if not same_device:  # the 2-D copy names its stream: no current stream to set
             memcpy_2d = _memcpy_2d() if pitched and not (src.is_contiguous() and dst.is_contiguous()) else None
             plan = pitched_plan(dst, src) if memcpy_2d is not None else None
             if plan is not None:
-                send.wait_stream(stream)  # as PyTorch orders a copy between devices
+                if not state[1]:
+                    send.wait_stream(stream)  # as PyTorch orders a copy between devices
+                    state[1] = True
                 _copy_2d(memcpy_2d, dst, src, plan, send)
-                stream.wait_stream(send)
+                state[2] = True
                 return
         with torch.cuda.stream(stream), torch.cuda.stream(send):
             if same_device:
@@ -219,7 +228,21 @@ def _puller(send, ready, stream, same_device: bool, pitched: bool = True):
                 return
             tmp = src.to(dst.device, non_blocking=True)
             dst.copy_(tmp)  # on ``stream``: this device's current stream here
+
+    def done():
+        if state[2]:
+            stream.wait_stream(send)
+            state[2] = False
+
+    copy.done = done
     return copy
+
+
+def finish(copy) -> None:
+    """The copies a puller made are ordered before its stream's later work (``copy.done()`` where it has one)."""
+    done = getattr(copy, "done", None)
+    if done is not None:
+        done()
 
 
 # Each rank's share of a split sequence a multiple of this many tokens (the last rank's: the rest). 1: an even split.
