@@ -206,7 +206,7 @@ class ContextParallel:
         if work is None:
             return {}
         kind, name = attention_of(topts)
-        return {"work": work, "min_tflop": SPLIT_TFLOP["graphs" if graphs else kind], "attention": name}
+        return {"work": work, "min_tflop": SPLIT_TFLOP[f"graphs-{kind}" if graphs else kind], "attention": name}
 
     def graphs_possible(self, patcher) -> bool:
         """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
@@ -224,9 +224,12 @@ class ContextParallel:
         if work is None:
             return "each step", ""
         pack = work.tokens_for(SPLIT_TFLOP["pack"])
-        if self.graphs and self.unit.graphs:
-            return (f"each step of {work.tokens_for(SPLIT_TFLOP['graphs']):,} tokens or more",
-                    f" ({pack:,} or more where ComfyUI's dynamic VRAM or offloading moves the weights)")
+        if self.graphs and self.unit.graphs:  # replayed as CUDA graphs where the weights stay put
+            graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"])
+            if _host_attention()[0] != "comfyui":
+                return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
+            return (f"each step of {work.tokens_for(SPLIT_TFLOP['graphs-comfyui']):,} tokens or more",
+                    f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
         if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
             return f"each step of {pack:,} tokens or more", ""
         return (f"each step of {work.tokens_for(SPLIT_TFLOP['comfyui']):,} tokens or more",
@@ -738,9 +741,16 @@ class OneGpuNotice(SharedWrapper):
 # (2.2 TFLOP a block, one GPU 0.339 s a step) a split would run about x0.75: the floor for ComfyUI's attention is 3.0,
 # above it, though Wan 2.1 1.3B at 33 frames (2.4) gained x1.40. tests/test_cp_floor.py checks every row against these.
 #
-# "graphs": a family whose split forwards replay as CUDA graphs (parallel/graphs.py; Unit.graphs), in a run whose
-# weights stay where they are: the model's Python no longer runs per forward, only the attention calls and exchanges.
-SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs": 1.0}
+# "graphs-...": a family whose split forwards replay as CUDA graphs (parallel/graphs.py; Unit.graphs), in a run whose
+# weights stay where they are: the model's Python no longer runs per forward, only the attention calls and exchanges
+# (about 1 ms of the host's time per call and GPU). Measured the same way on 2x H200, ComfyUI 0.33.0, four machines for
+# Flux and two for Qwen-Image (the ratios moved with the machine's host):
+#
+#   model, size                 tokens  TFLOP/block  ComfyUI's attention  auto_exact    sage_fp8_sm90
+#   Flux.1 dev 1024²             4,608     1.3        x1.02-1.36          x0.88-1.18    x0.52-0.82
+#   Qwen-Image 1328²             7,145     2.2        x1.59-1.70          x1.39-1.64    x1.16-1.25
+SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
+MOVED = " where ComfyUI's dynamic VRAM or offloading moves the weights"
 
 # Split forwards of the families that offer it (Unit.graphs) replay as CUDA graphs (ContextParallel(graphs=) overrides).
 GRAPHS = True

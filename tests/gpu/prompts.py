@@ -582,7 +582,7 @@ def render(meta: dict, rows: list) -> str:
     lines = ["# Whole prompts through ComfyUI's server: one GPU against several", "",
              f"{meta['device']}, ComfyUI {meta['comfyui']}, torch {meta['torch']}, {meta['date']}; per workflow the "
              f"median of up to {meta['rounds']} prompts after a warm-up prompt, a new seed each, workflows "
-             f"{meta['order']}; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
+             f"{meta['order']}{'; ComfyUI started with ' + meta['server_args'] if meta.get('server_args') else ''}; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
              "starts as ComfyUI announced them (sampling includes loading the model to the GPU).", "",
              "| row | workflow | prompts | s/prompt | text | sampling | s/step | VAE decode | save | other | "
              "one GPU / several |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -665,6 +665,7 @@ def arguments(argv):
     ap.add_argument("--evict", action=argparse.BooleanOptionalAction, default=True,
                     help="remove the other rows' cached files when the disk is short")
     ap.add_argument("--cache-lru", type=int, default=0, help="ComfyUI's LRU cache of N outputs (0: its default)")
+    ap.add_argument("--server-args", default="", help="more arguments for ComfyUI's main.py (e.g. --disable-dynamic-vram)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a prompt may take")
     ap.add_argument("--profile", action="store_true",
                     help="every sampler's run in the server under cProfile (its thread), the top functions in "
@@ -684,6 +685,7 @@ def arguments(argv):
 def describe(a, comfyui: str) -> dict:
     return {**load_soak().machine(a, comfyui), "date": datetime.date.today().isoformat(),
             "rounds": a.rounds, "order": a.order, "limit": a.limit, "models": a.models, "cpu": a.cpu,
+            "server_args": a.server_args,
             "warmup_steps": a.warmup_steps, "cache": f"LRU {a.cache_lru}" if a.cache_lru else "ComfyUI's default"}
 
 
@@ -718,7 +720,8 @@ def main(argv=None) -> int:
     env = {"PA_PROMPTS": "1", "PA_PROMPTS_TINY": "1" if a.cpu else "0", "PYTHONUNBUFFERED": "1",
            **({"PA_PROMPTS_PROFILE": os.path.abspath(a.out)} if a.profile else {})}
     proc, url = soak.launch(a, base, comfyui, os.path.join(a.out, "prompts-server.log"),
-                            ["--cache-lru", str(a.cache_lru)] if a.cache_lru else [], {"pa_prompts.py": __file__}, env)
+                            (["--cache-lru", str(a.cache_lru)] if a.cache_lru else []) + a.server_args.split(),
+                            {"pa_prompts.py": __file__}, env)
     try:
         ctx = bench(a, soak, url, base, comfyui, t_end)
     finally:
