@@ -687,7 +687,7 @@ def context_parallel_description() -> str:
 
     return ("Splits each sampling step of one image or video over several GPUs of this machine (the tokens, with "
             "attention exchanged between the GPUs), with any Patch Attention backend before or after it. Supported: "
-            + "; ".join(name for name, _ in supported()) + ". Other models, steps too short to gain from a split (images, "
+            + "; ".join(name for name, _ in supported()) + ". Other models, steps too short to gain from a split (small images, "
             "short clips: faster on one GPU; where that ends depends on the model and on the attention it runs, and the "
             "node shows it) and machines with one GPU sample on one GPU, and the node says why. "
             "Every GPU holds a whole copy of the model (LoRA, fp8-scaled and GGUF models too). Needs ComfyUI 0.33 or "

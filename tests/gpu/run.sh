@@ -622,7 +622,7 @@ stage_prompts() {  # whole prompts, one GPU against several: one row per call in
   timeout $(( ${limit%.*} + 60 )) $PY tests/gpu/prompts.py --out "$OUT" --rows "${PROMPTS_ROWS:-wan22-a14b,wan21-14b,flux-dev}" \
     --rounds "${PROMPTS_ROUNDS:-2}" --limit "$limit" --models "${PROMPTS_MODELS:-/root/pa-models}" \
     ${PROMPTS_STEPS:+--steps "$PROMPTS_STEPS"} ${PROMPTS_WARMUP_STEPS:+--warmup-steps "$PROMPTS_WARMUP_STEPS"} \
-    ${PROMPTS_ORDER:+--order "$PROMPTS_ORDER"} ${PROMPTS_PROFILE:+--profile} ${PROMPTS_SERVER_ARGS:+--server-args "$PROMPTS_SERVER_ARGS"} \
+    ${PROMPTS_ORDER:+--order "$PROMPTS_ORDER"} ${PROMPTS_PROFILE:+--profile} ${PROMPTS_SERVER_ARGS:+--server-args="$PROMPTS_SERVER_ARGS"} \
     > "$OUT/prompts.txt" 2>&1
   local rc=$?
   echo "tests/gpu/prompts.py exit status $rc; every prompt in prompts.txt and prompts.md, ComfyUI's log in prompts-server.log"
