@@ -615,13 +615,24 @@ class GraphWrapper:
         ctx = topts[CP_KEY]
         key, tensors = signature(args, kwargs, topts)
         k = (self.shapes, ctx.rank, key)
+        # where the weights are: ComfyUI may put other tensors in their place during a run (hooks that patch weights
+        # per step), and a graph would read the ones it recorded
+        weights = _weights(executor.class_obj)
         pieces = self.store.get(k)
-        if pieces is not None:
+        if pieces is not None and pieces.weights == weights:
             return pieces.replay(tensors, ctx, topts)
         pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type)
         out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
+        pieces.weights = weights
         self.store[k] = pieces
         return out
+
+
+def _weights(module) -> tuple:
+    """Where ``module``'s parameters and buffers are (a tensor put in the place of one moves it)."""
+    if not isinstance(module, torch.nn.Module):
+        return ()
+    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
 
 
 GRAPHS_KEY = "patch_attention_context_parallel_graphs"

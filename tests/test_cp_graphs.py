@@ -188,6 +188,40 @@ def test_a_replay_hands_its_own_steps_sigma_to_patch_attention(zoo, n):
 
 
 @pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3])
+def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n):
+    """ComfyUI's hooks may patch weights between steps by putting new tensors in place of the old: a replay would read
+    the old ones, so the forward is recorded again (the latent is the eager split's with the same change)."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    dm = base.model.diffusion_model
+    layer = dm.double_blocks[0].img_attn.qkv
+
+    def sampled(graphs, swap=True):
+        original = layer.weight
+        seen = [0]
+
+        def swapped(module, args):  # after two steps (every rank's forward), a new weight in the old one's place
+            seen[0] += 1
+            if swap and seen[0] == 2 * n + 1:
+                layer.weight = torch.nn.Parameter(original.detach() * 1.5, requires_grad=False)
+
+        hook = dm.register_forward_pre_hook(swapped)
+        try:
+            RecordedGraph.graphs = 0
+            return sample(z, graphed(mod, base, n, graphs=graphs), case), RecordedGraph.graphs
+        finally:
+            hook.remove()
+            layer.weight = original
+
+    eager, _ = sampled(False)
+    out, graphs = sampled(True)
+    assert torch.equal(out, eager)
+    _, once = sampled(True, swap=False)
+    assert graphs == 2 * once  # every rank recorded its forward again after the swap
+
+
+@pytest.mark.comfyui
 def test_a_graph_that_cannot_be_recorded_leaves_the_run_eager_and_says_so_once(zoo, caplog):
     z, mod, _ = zoo
     base, case = _build(z, "Flux", None)
