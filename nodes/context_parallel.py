@@ -327,7 +327,7 @@ class Run:
         self.forwards = self.split_forwards = self.reused = self.graphed = 0
         self.whole = set()  # the shapes of the forwards that ran on one GPU for their shapes (too short to pay)
         self.graphs = False  # split forwards may replay as CUDA graphs in this run (graphs_off)
-        self.split_shapes = set()  # the shapes of the forwards that split (the next of the same shapes may replay)
+        self.split_shapes = {}  # the shapes of the forwards that split -> their work per block (the next may replay)
         self.no_graphs = set()  # the shapes whose graphs failed: they run without them
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
 
@@ -467,7 +467,8 @@ class SplitForwardWrapper(_Wrapper):
                    "faster: docs/multi-gpu.md); forwards on one GPU stay compiled")
         call = (executor, (x, t, c_concat, c_crossattn, control), topts, kwargs, uncompiled)
         # a forward of shapes that split before in this run replays as CUDA graphs, where the run allows them
-        graphs = run.graphs and shapes in run.split_shapes and shapes not in run.no_graphs
+        graphs = run.graphs and shapes in run.split_shapes and shapes not in run.no_graphs \
+            and (run.split_shapes[shapes] or 0) < GRAPHS_BELOW_TFLOP
         try:
             out, ctx = self._split(run, ranks, floor, dm, call, shapes if graphs else None)
         except Exception as e:
@@ -488,7 +489,7 @@ class SplitForwardWrapper(_Wrapper):
                 run.graphed += bool(ctx.split) and graphs
                 run.reused += ctx.split is None
                 if ctx.split:
-                    run.split_shapes.add(shapes)
+                    run.split_shapes[shapes] = ctx.tflop
         else:
             if ctx.by_shapes:
                 with cp._lock:
@@ -763,8 +764,12 @@ class OneGpuNotice(SharedWrapper):
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI's dynamic VRAM or offloading moves the weights"
 
-# Split forwards of the families that offer it (Unit.graphs) replay as CUDA graphs (ContextParallel(graphs=) overrides).
+# Split forwards of the families that offer it (Unit.graphs) replay as CUDA graphs (ContextParallel(graphs=) overrides),
+# those with less work per block than this (TFLOP): above it a split keeps the GPUs busy without them (Wan 2.1 14B at
+# 480p/33f x1.85-1.88 with SageAttention and without), and a graph would hold a long sequence's activations beside
+# PyTorch's cache of them.
 GRAPHS = True
+GRAPHS_BELOW_TFLOP = 10.0
 
 # A token floor for every node instead (the split part's tokens; 0: every forward splits, as tests/gpu/soak.py sets it);
 # None: the work floor above.

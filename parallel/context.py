@@ -41,6 +41,7 @@ class RankContext:
         self.last_key = None  # the block-replace key of the forward's last block (set by the node's forward wrapper)
         self.state = {}  # the family unit's own values for this forward (e.g. which tokens are this rank's)
         self.graph = None  # the graphs.Pieces recording this forward (None: it runs eagerly, or replays)
+        self.tflop = None  # the forward's work per block, where the group knows the model's work (set by start)
         self._layout = None
 
     @property
@@ -79,6 +80,8 @@ class RankContext:
                         "so its attention calls could not be told apart")
         self.split = not self.why
         self.by_shapes = not self.split and not why_not
+        g = self.group
+        self.tflop = g.work.tflop_per_block(prefix + tokens + suffix) if g.work is not None else None
         if not self.split:
             if self.rank != 0:
                 raise StopRank(self.why)

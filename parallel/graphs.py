@@ -26,6 +26,8 @@ No ComfyUI here; the node decides which forwards replay (nodes/context_parallel.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
@@ -145,6 +147,11 @@ def _clone(v):
     return v
 
 
+@contextlib.contextmanager
+def _nothing():
+    yield
+
+
 class Pieces:
     """One rank's forward of one key (:func:`signature`) as graphs between islands.  ``graph_type``: the class of a
     graph (``torch.cuda.CUDAGraph``; tests give a stand-in that records and replays on the CPU)."""
@@ -178,7 +185,10 @@ class Pieces:
         ctx.graph = self
         self._begin()
         try:
-            out = fn(*args, **kwargs)
+            # a tensor the model makes without naming a device (Wan's timestep frequencies, moved to the GPU next) is
+            # made on the GPU, which a capture needs (this thread only, while it records)
+            with torch.device(self.device) if self.cuda else _nothing():
+                out = fn(*args, **kwargs)
             self._end()
         except BaseException:
             self._abort()

@@ -89,7 +89,8 @@ def graphed(mod, model, n, graph_type=RecordedGraph, graphs=True):
     return m
 
 
-CASES = [("Flux", None), ("FluxSchnell", None), ("Flux2", None), ("QwenImage", "t2i"), ("QwenImage", "edit-2511")]
+CASES = [("Flux", None), ("FluxSchnell", None), ("Flux2", None), ("QwenImage", "t2i"), ("QwenImage", "edit-2511"),
+         ("WAN21_T2V", None)]
 
 
 def sample(z, model, case):
@@ -261,10 +262,5 @@ def test_weights_that_move_during_a_run_keep_it_eager(zoo):
     cp.graphs = False
     assert why(_Model()) == "off"
     families = importlib.import_module(mod.__name__ + ".parallel.families")
-    wan = node.ContextParallel(families.unit_for(_wan(z).model.diffusion_model))
-    assert "not replayed as graphs" in node.graphs_off(wan, [[(d, _Model()) for d in cuda]])
-
-
-def _wan(z):
-    cls, case = _case(z, "WAN21_T2V")
-    return z.build(cls, case)
+    vace = node.ContextParallel(families.BY_CLASS["VaceWanModel"])
+    assert "not replayed as graphs" in node.graphs_off(vace, [[(d, _Model()) for d in cuda]])

@@ -45,6 +45,7 @@ from .wan import WanUnit, modulation_shard
 
 
 class WanVariantUnit(WanUnit):
+    graphs = False  # not measured
     """A Wan variant split as :class:`~.wan.WanUnit`, with the model's own work between blocks.
 
     ``whole_between``: the model works on ``x`` between blocks (token by token, over the whole length): each block
