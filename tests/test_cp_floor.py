@@ -227,8 +227,9 @@ def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch
 
 # Split forwards replayed as CUDA graphs (Flux and Qwen-Image, where the weights stay put), every forward split, 2x H200,
 # ComfyUI 0.33.0: the median over the machines measured (the ratio moved with the machine's host: Flux x1.02-1.36 with
-# ComfyUI's attention and x0.52-0.82 with sage_fp8_sm90 on four, Qwen-Image x1.59-1.70 and x1.16-1.25 on two).
-MEASURED_GRAPHS = [("flux-dev", 4608, 1.13, 0.69), ("qwen-image", 7145, 1.64, 1.20)]
+# ComfyUI's attention and x0.52-0.82 with sage_fp8_sm90 on four, Qwen-Image x1.59-1.70 and x1.16-1.25 on two; Wan 2.1
+# 1.3B at 33 frames on one).
+MEASURED_GRAPHS = [("flux-dev", 4608, 1.13, 0.69), ("qwen-image", 7145, 1.64, 1.20), ("wan-1.3b-33f", 14040, 1.70, 1.17)]
 
 
 @pytest.mark.comfyui
