@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib
 import logging
+import threading
 
 import pytest
 import torch
@@ -200,12 +201,13 @@ def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n):
 
     def sampled(graphs, swap=True):
         original = layer.weight
-        seen = [0]
+        seen, lock = [0], threading.Lock()
 
         def swapped(module, args):  # after two steps (every rank's forward), a new weight in the old one's place
-            seen[0] += 1
-            if swap and seen[0] == 2 * n + 1:
-                layer.weight = torch.nn.Parameter(original.detach() * 1.5, requires_grad=False)
+            with lock:  # the ranks' threads
+                seen[0] += 1
+                if swap and seen[0] == 2 * n + 1:
+                    layer.weight = torch.nn.Parameter(original.detach() * 1.5, requires_grad=False)
 
         hook = dm.register_forward_pre_hook(swapped)
         try:
