@@ -206,13 +206,18 @@ class ContextParallel:
         if work is None:
             return {}
         kind, name = attention_of(topts)
-        return {"work": work, "min_tflop": SPLIT_TFLOP[f"graphs-{kind}" if graphs else kind], "attention": name}
+        if graphs:  # per attention call: what a replay's host work grows with
+            return {"work": work, "min_tflop": SPLIT_TFLOP[f"graphs-{kind}"] * self.unit.calls_per_block,
+                    "attention": name}
+        return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
 
     def graphs_possible(self, patcher) -> bool:
         """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
         weights' place is known once it is loaded: :func:`graphs_off`)."""
         dynamic = getattr(patcher, "is_dynamic", None)
-        return self.graphs and self.unit.graphs and not (dynamic is not None and dynamic())
+        device = getattr(patcher, "load_device", None)
+        return (self.graphs and self.unit.graphs and getattr(device, "type", None) == "cuda"
+                and not (dynamic is not None and dynamic()))
 
     def steps(self, dm) -> tuple[str, str]:
         """Which steps of ``dm`` split, for the node's note: (which steps, what changes that), e.g. ("each step of
@@ -225,10 +230,11 @@ class ContextParallel:
             return "each step", ""
         pack = work.tokens_for(SPLIT_TFLOP["pack"])
         if self.graphs and self.unit.graphs:  # replayed as CUDA graphs where the weights stay put
-            graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"])
+            calls = self.unit.calls_per_block
+            graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"] * calls)
             if _host_attention()[0] != "comfyui":
                 return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
-            return (f"each step of {work.tokens_for(SPLIT_TFLOP['graphs-comfyui']):,} tokens or more",
+            return (f"each step of {work.tokens_for(SPLIT_TFLOP['graphs-comfyui'] * calls):,} tokens or more",
                     f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
         if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
             return f"each step of {pack:,} tokens or more", ""
@@ -761,7 +767,12 @@ class OneGpuNotice(SharedWrapper):
 #   model, size                 tokens  TFLOP/block  ComfyUI's attention  auto_exact    sage_fp8_sm90
 #   Flux.1 dev 1024²             4,608     1.3        x1.02-1.36          x0.88-1.18    x0.52-0.82
 #   Qwen-Image 1328²             7,145     2.2        x1.59-1.70          x1.39-1.64    x1.16-1.25
-#   Wan 2.1 1.3B 480p/33f       14,040     2.4        x1.70               -             x1.17
+#   Wan 2.1 1.3B 480p/33f       14,040     2.4        x1.64-1.70          -             x0.87-1.17
+#   Wan 2.1 14B 480p/17f         7,800     5.9        x1.76               -             x1.68
+#
+# The floor is per attention call of a block (Unit.calls_per_block), each of which a replay still runs on the host:
+# Wan's blocks make two, self-attention (exchanged) and cross-attention (not: counted as half a call), so Wan 2.1 1.3B
+# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2).
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI's dynamic VRAM or offloading moves the weights"
 

@@ -19,7 +19,8 @@ Interface (:class:`Unit`):
   (e.g. Wan's self-attention sending q and k while it computes v); returns the function that undoes them;
 - ``graphs`` (optional, default False): its split forwards may replay as CUDA graphs (:mod:`..graphs`): everything
   the model computes between its attention calls and the unit's exchanges depends on the forward's tensors and shapes
-  alone, never on a per-step Python value, and makes no tensor on the CPU;
+  alone, never on a per-step Python value; ``calls_per_block`` (default 1): its blocks' attention calls, each of which a
+  replay still runs on the host (the floor for graphs is per call; a call that exchanges nothing may count less);
 - ``shared_linears`` (optional, default ``("mod",)``): substrings of the qualified names of the block lists'
   ``Linear`` modules that do not run once per token of the split sequence (modulation from the timestep, the text
   stream, cross-attention's keys and values over the text): left out of the model's work;
@@ -51,6 +52,7 @@ class Unit:
     classes: tuple = ()
     shared_linears: tuple = ("mod",)
     graphs = False  # its split forwards may replay as CUDA graphs (parallel/graphs.py)
+    calls_per_block = 1.0  # attention calls in a block: what a replayed forward's host work grows with
 
     def block_keys(self, dm) -> list:
         raise NotImplementedError

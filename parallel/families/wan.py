@@ -27,6 +27,8 @@ class WanUnit(Unit):
     name = "Wan 2.1/2.2"
     classes = ("WanModel",)
     graphs = True  # measured: docs/multi-gpu.md, "CUDA graphs in the node"
+    # self-attention and cross-attention; the second exchanges nothing, so it costs the host less: counted as half
+    calls_per_block = 1.5
     # cross-attention's keys and values: over the text, and the CLIP image tokens (k_img, v_img; HuMo's audio
     # cross-attention's too: audio_cross_attn.k/v); the modulation is a Parameter of each block, not a Linear
     shared_linears = ("cross_attn.k", "cross_attn.v")
