@@ -307,7 +307,8 @@ def device_gaps(prof, top: int = 10) -> str:
 
     by_dev = {}
     for e in prof.events():
-        if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower() and "memset" not in e.name.lower():
+        if e.device_type == DeviceType.CUDA and "memcpy" not in e.name.lower() and "memset" not in e.name.lower() \
+                and not e.name.startswith("ProfilerStep"):  # a scheduled profile's step: one span over the whole step
             by_dev.setdefault(e.device_index, []).append((e.time_range.start, e.time_range.end, e.name))
     lines = []
     for dev, evs in sorted(by_dev.items()):
