@@ -516,13 +516,14 @@ class SplitForwardWrapper(_Wrapper):
         for c in ctxs:
             c.last_key = keys[-1]
 
+        handoff = Handoff(_to)  # the other GPUs run the first GPU's diffusion-model call (nodes/handoff.py)
+
         def options(r, device):
             o = self.rank_options(topts, ctxs[r], keys, device, uncompiled)
             o = handoff.following(o) if r else handoff.leading(o)
             return o if graphs is None else _graphed(o, GraphWrapper(run.pieces, graphs, ranks[r][0], cp.graph_type))
 
         futures = []
-        handoff = Handoff(_to)  # the other GPUs run the first GPU's diffusion-model call (nodes/handoff.py)
         for r in range(1, group.size):
             dev, model = ranks[r]
             worker = run.workers[(ranks[0][0], r)]

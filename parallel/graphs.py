@@ -76,48 +76,50 @@ def signature(args: tuple, kwargs: dict, topts: dict) -> tuple[tuple, list]:
     return key, tensors
 
 
+DEEPER = object()  # what a :func:`walk` function returns for a value it leaves to the walk
+
+
+def walk(v, fn):
+    """``v`` with every value ``x`` in it (``v`` itself, and what its lists, tuples and dicts hold, nested) replaced by
+    ``fn(x)``; where ``fn`` returns :data:`DEEPER`, a container's values are walked in turn and anything else is kept."""
+    out = fn(v)
+    if out is not DEEPER:
+        return out
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return type(v)(walk(x, fn) for x in v)
+    if isinstance(v, dict):
+        return {k: walk(x, fn) for k, x in v.items()}
+    return v
+
+
 def rebuild(args: tuple, kwargs: dict, topts: dict, tensors: list) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with their tensors, in :func:`signature`'s order, replaced by ``tensors``."""
     it = iter(tensors)
 
-    def walk(v):
+    def fn(v):
         if isinstance(v, torch.Tensor):
             return next(it)
-        if v is topts:
-            return v
-        if isinstance(v, (list, tuple)):
-            return type(v)(walk(x) for x in v)
-        if isinstance(v, dict):
-            return {k: walk(x) for k, x in v.items()}
-        return v
+        return v if v is topts else DEEPER
 
-    return walk(tuple(args)), walk(dict(kwargs))
+    return walk(tuple(args), fn), walk(dict(kwargs), fn)
 
 
 def _mark(v, ctx, topts):
-    """``v`` with the recorded forward's ``ctx`` and ``topts`` marked (nested in lists, tuples and dicts); a copy of
-    ``topts`` the model made on the way (a dict that holds ``ctx``) counts as ``topts``."""
-    if v is ctx:
-        return CTX
-    if v is topts or (isinstance(v, dict) and any(x is ctx for x in v.values())):
-        return TOPTS
-    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-        return type(v)(_mark(x, ctx, topts) for x in v)
-    if isinstance(v, dict):
-        return {k: _mark(x, ctx, topts) for k, x in v.items()}
-    return v
+    """``v`` with the recorded forward's ``ctx`` and ``topts`` marked; a copy of ``topts`` the model made on the way (a
+    dict that holds ``ctx``) counts as ``topts``."""
+
+    def fn(x):
+        if x is ctx:
+            return CTX
+        if x is topts or (isinstance(x, dict) and any(y is ctx for y in x.values())):
+            return TOPTS
+        return DEEPER
+
+    return walk(v, fn)
 
 
 def _unmark(v, ctx, topts):
-    if v is CTX:
-        return ctx
-    if v is TOPTS:
-        return topts
-    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-        return type(v)(_unmark(x, ctx, topts) for x in v)
-    if isinstance(v, dict):
-        return {k: _unmark(x, ctx, topts) for k, x in v.items()}
-    return v
+    return walk(v, lambda x: ctx if x is CTX else topts if x is TOPTS else DEEPER)
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -138,18 +140,7 @@ def _copy_into(dst, src) -> None:
 
 
 def _clone(v):
-    if isinstance(v, torch.Tensor):
-        return v.clone()
-    if isinstance(v, (list, tuple)):
-        return type(v)(_clone(x) for x in v)
-    if isinstance(v, dict):
-        return {k: _clone(x) for k, x in v.items()}
-    return v
-
-
-@contextlib.contextmanager
-def _nothing():
-    yield
+    return walk(v, lambda x: x.clone() if isinstance(x, torch.Tensor) else DEEPER)
 
 
 class Pieces:
@@ -165,7 +156,7 @@ class Pieces:
         self.static = []  # the recorded forward's input tensors, which every replay fills
         self.out = None
         self.final = None  # (context fields, topts writes) at the forward's end
-        self.inside = False  # an island is running (the calls it makes are not islands of their own)
+        self.inside = False  # an island of the recording is running (the calls it makes are not islands of their own)
         self._graph = None
         self._stream = torch.cuda.Stream(self.device) if self.cuda else None
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
@@ -187,7 +178,7 @@ class Pieces:
         try:
             # a tensor the model makes without naming a device (Wan's timestep frequencies, moved to the GPU next) is
             # made on the GPU, which a capture needs (this thread only, while it records)
-            with torch.device(self.device) if self.cuda else _nothing():
+            with torch.device(self.device) if self.cuda else contextlib.nullcontext():
                 out = fn(*args, **kwargs)
             self._end()
         except BaseException:
@@ -230,16 +221,16 @@ class Pieces:
         return out if stage is None else stage.clone()
 
     def _held(self, v):
-        """``v`` with its tensors replaced by aliases (:func:`_alias`; nested in lists, tuples and dicts)."""
-        if isinstance(v, torch.Tensor) and v.is_cuda:
-            a = _alias(v)
-            self._weak.append((StorageWeakRef(v.untyped_storage()), a))
+        """``v`` with its CUDA tensors replaced by aliases (:func:`_alias`)."""
+
+        def fn(x):
+            if not (isinstance(x, torch.Tensor) and x.is_cuda):
+                return DEEPER
+            a = _alias(x)
+            self._weak.append((StorageWeakRef(x.untyped_storage()), a))
             return a
-        if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
-            return type(v)(self._held(x) for x in v)
-        if isinstance(v, dict):
-            return {k: self._held(x) for k, x in v.items()}
-        return v
+
+        return walk(v, fn)
 
     def _check_aliases(self) -> None:
         """Every island argument held by alias whose tensor is gone lies in the graphs' own memory, which lives as long
@@ -314,11 +305,7 @@ class Pieces:
             for k, v in fields.items():
                 setattr(ctx, k, v)
             topts.update(writes)
-            self.inside = True
-            try:
-                _copy_into(out, fn(*_unmark(args, ctx, topts), **_unmark(kwargs, ctx, topts)))
-            finally:
-                self.inside = False
+            _copy_into(out, fn(*_unmark(args, ctx, topts), **_unmark(kwargs, ctx, topts)))
             ctx.group.settle(ctx.rank)
         self.graphs[-1].replay()
         fields, writes = self.final
