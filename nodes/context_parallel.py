@@ -40,6 +40,7 @@ import weakref
 
 import torch
 
+from ..parallel import ulysses as ulysses_mod
 from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
 from ..parallel.graphs import Pieces, signature
@@ -117,7 +118,10 @@ class ContextParallelAttention:
                 raise ValueError(f"{NODE}: {why} (this model's unit must keep such forwards on one GPU)")
         skip, skip_out = bool(a.get("skip_reshape", False)), bool(a.get("skip_output_reshape", False))
         b = q.shape[0]
-        if skip:  # [B, H, L, D]
+        first = skip and ulysses_mod.HEADS_FIRST
+        if first:  # [B, H, L, D]: exchanged as they are, each head's tokens one block
+            qn, kn, vn = q, k, v
+        elif skip:
             qn, kn, vn = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
         else:  # [B, L, H*D]
             d = q.shape[-1] // heads
@@ -127,18 +131,22 @@ class ContextParallelAttention:
         extra = rest  # bind() made it: the call's other keywords, this call's own dict
         precision = a.get("attn_precision")
 
-        def local(qf, kf, vf, mask=None):  # [B, L, h, D]: handed on as [B, L, h*D] (a view: no copy)
-            bl, lq, h, dq = qf.shape
-            lk = kf.shape[1]
+        def local(qf, kf, vf, mask=None):  # [B, L, h, D] handed on as [B, L, h*D] (a view: no copy); skip: [B, h, L, D]
             # a mask over query rows comes from the unit (the model's call had none): exact, as ComfyUI's own masked calls
             # of those models; the call's own key mask keeps the call's own flags
             more = extra if mask is None or own_mask is not None else {**extra, "low_precision_attention": False}
-            out = self._call_inner(func, qf.view(bl, lq, h * dq), kf.view(bl, lk, -1), vf.view(bl, lk, -1), h,
-                                   mask=mask, attn_precision=precision, skip_reshape=False, skip_output_reshape=False,
-                                   **more)
+            if first:
+                bl, h, lq, _ = qf.shape
+                args = qf, kf, vf
+            else:
+                bl, lq, h, dq = qf.shape
+                lk = kf.shape[1]
+                args = qf.view(bl, lq, h * dq), kf.view(bl, lk, -1), vf.view(bl, lk, -1)
+            out = self._call_inner(func, *args, h, mask=mask, attn_precision=precision, skip_reshape=first,
+                                   skip_output_reshape=False, **more)
             return out.reshape(bl, lq, h, -1)
 
-        o = ctx.attention(qn, kn, vn, local, mask)  # [B, L_r, H, Dv]
+        o = ctx.attention(qn, kn, vn, local, mask, heads_first=first)  # [B, L_r, H, Dv]
         if skip_out:
             return o.transpose(1, 2)
         return o.reshape(b, o.shape[1], -1)
@@ -625,22 +633,25 @@ class GraphWrapper:
         k = (self.shapes, ctx.rank, key)
         # where the weights are: ComfyUI may put other tensors in their place during a run (hooks that patch weights
         # per step), and a graph would read the ones it recorded
-        weights = _weights(executor.class_obj)
         pieces = self.store.get(k)
-        if pieces is not None and pieces.weights == weights:
+        if pieces is not None and _weights(pieces.modules) == pieces.weights:
             return pieces.replay(tensors, ctx, topts)
         pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type)
+        module = executor.class_obj
+        pieces.modules = list(module.modules()) if isinstance(module, torch.nn.Module) else []
         out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
-        pieces.weights = weights
+        pieces.weights = _weights(pieces.modules)
         self.store[k] = pieces
         return out
 
 
-def _weights(module) -> tuple:
-    """Where ``module``'s parameters and buffers are (a tensor put in the place of one moves it)."""
-    if not isinstance(module, torch.nn.Module):
-        return ()
-    return tuple(t.data_ptr() for t in module.parameters()) + tuple(t.data_ptr() for t in module.buffers())
+def _weights(modules: list) -> tuple:
+    """Where the parameters and buffers of ``modules`` (a model's, listed once) are, and which modules they hold: a
+    tensor put in the place of a weight moves it, a module put in the place of another changes the modules held.  A
+    walk of the listed modules' own dicts, a tenth of the time of ``parameters()`` over the model each forward."""
+    return (tuple(t.data_ptr() for m in modules for t in m._parameters.values() if t is not None),
+            tuple(t.data_ptr() for m in modules for t in m._buffers.values() if t is not None),
+            tuple(id(c) for m in modules for c in m._modules.values()))
 
 
 GRAPHS_KEY = "patch_attention_context_parallel_graphs"

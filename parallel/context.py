@@ -244,11 +244,12 @@ class RankContext:
         """A gathered call's keys and values (:meth:`gathers`) over the whole split sequence, on every rank."""
         return self.whole(k, dim), self.whole(v, dim)
 
-    def attention(self, q, k, v, local, mask=None):
-        """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``local`` the kernel, ``mask`` a key
-        mask or None), with the forward's masks over query rows (:meth:`set_masks`)."""
+    def attention(self, q, k, v, local, mask=None, heads_first: bool = False):
+        """:func:`ulysses` over this forward's group (``[B, L, H, D]`` tensors, ``[B, H, L, D]`` with ``heads_first``;
+        ``local`` the kernel, ``mask`` a key mask or None), with the forward's masks over query rows
+        (:meth:`set_masks`)."""
         self.exchanged += 1
-        return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask, self.masks)
+        return ulysses(self.group, self.rank, self.layout, q, k, v, local, mask, self.masks, heads_first)
 
     def staged(self, heads: int, kv_heads: int) -> Staged:
         """An exchanged call whose q, k and v the model sends one by one (:class:`~.ulysses.Staged`)."""

@@ -17,7 +17,7 @@ from functools import cached_property
 
 import torch
 
-from .group import Group, finish, split
+from .group import Group, finish, planned, split
 
 
 @dataclass(frozen=True)
@@ -57,6 +57,8 @@ class Cut:
         """``t``'s tokens ``rows``, every head: a view."""
         if self.tokens == 1:  # q, k, v and masks over keys as the kernel gets them (several views per exchanged call)
             return t[:, rows]
+        if self.tokens == 2:  # q, k, v heads first
+            return t[:, :, rows]
         idx = [slice(None)] * t.ndim
         idx[self.tokens] = rows
         return t[tuple(idx)]
@@ -65,6 +67,8 @@ class Cut:
         """``t``'s tokens ``rows`` of key/value heads ``lo`` to ``hi``: a view."""
         if self.tokens == 1 and self.heads == 2:  # [B, L, H, D], the common case: no index list built
             return t[:, rows, self.per * lo:self.per * hi]
+        if self.tokens == 2 and self.heads == 1:  # [B, H, L, D]
+            return t[:, self.per * lo:self.per * hi, rows]
         idx = [slice(None)] * t.ndim
         idx[self.tokens] = rows
         if self.heads is not None:
@@ -81,6 +85,7 @@ class Cut:
 
 
 KV = Cut(1, 2)  # keys and values as the kernel gets them: [B, L, H, D]
+KV_HEADS_FIRST = Cut(2, 1)  # keys and values of ComfyUI's skip_reshape calls: [B, H, L, D]
 
 
 class Exchange:
@@ -97,7 +102,7 @@ class Exchange:
             raise ValueError(f"{heads} query heads do not group over {kv_heads} key/value heads")
         self.group, self.rank, self.layout, self.heads = group, rank, layout, heads
         self.g = heads // kv_heads  # query heads per key/value head
-        self.kv = split(kv_heads, group.size)  # (start, count) of every rank's key/value heads
+        self.kv = tuple(split(kv_heads, group.size))  # (start, count) of every rank's key/value heads
         self.recv = group.receiving(rank)  # None off CUDA
         self.compute = None  # the rank's compute stream, once known (CUDA)
 
@@ -120,30 +125,60 @@ class Exchange:
         """Post ``tensors`` (this rank's tokens, every head); once every rank has: every rank's posting."""
         if self.recv is not None:
             self.compute = torch.cuda.current_stream(tensors[0].device)
-            self.recv.wait_stream(self.compute)  # the buffers were made on the compute stream
+            self.group.after(self.rank, self.recv, self.compute)  # the buffers were made on the compute stream
         return self.group.post(self.rank, tensors)
 
     def pull(self, posted: list, bufs: list, cuts: tuple, lo: int, n: int) -> None:
         """Every rank's tokens of this rank's key/value heads ``lo`` to ``lo + n`` (from its first) into ``bufs``, the
         tokens held whole from this rank's own copy."""
+        plan = self._plan(("heads", cuts, lo, n), posted, bufs,
+                          lambda peer, tensors: self._heads_copies(peer, tensors, bufs, cuts, lo, n))
+        if plan is not None:
+            self.group.run_plan(self.rank, posted, plan, bufs, self.recv, self.compute)
+            return
         for peer in range(self.group.size):
             self.pull_from(peer, posted[peer][0], self.group.puller(self.rank, peer, posted, self.recv), bufs, cuts,
                            lo, n)
 
     def pull_from(self, peer: int, tensors: tuple, copy, bufs: list, cuts: tuple, lo: int, n: int) -> None:
         """:meth:`pull` from one rank's posted ``tensors`` (this rank's own: with the tokens held whole)."""
-        lay = self.layout
+        for _, _, dst, src in self._heads_copies(peer, tensors, bufs, cuts, lo, n):
+            copy(dst, src)
+        finish(copy)
+
+    def _heads_copies(self, peer: int, tensors: tuple, bufs: list, cuts: tuple, lo: int, n: int) -> list:
+        """The copies of :meth:`pull_from`: (buffer, tensor, destination view, source view)."""
+        lay, out = self.layout, []
         a = self.mine[0] + lo
         s0, sc = lay.shards[peer]
         if sc:
             rows, src = slice(lay.prefix + s0, lay.prefix + s0 + sc), slice(lay.prefix, lay.prefix + sc)
-            for buf, t, cut in zip(bufs, tensors, cuts):
-                copy(cut.rows(buf, rows), cut.of(t, src, a, a + n))
+            out += [(i, i, cut.rows(buf, rows), cut.of(t, src, a, a + n))
+                    for i, (buf, t, cut) in enumerate(zip(bufs, tensors, cuts))]
         if peer == self.rank:
             for dst, src in _ends(lay.prefix, lay.suffix, lay.full_len, lay.local_len(peer)):
-                for buf, t, cut in zip(bufs, tensors, cuts):
-                    copy(cut.rows(buf, dst), cut.of(t, src, a, a + n))
-        finish(copy)
+                out += [(i, i, cut.rows(buf, dst), cut.of(t, src, a, a + n))
+                        for i, (buf, t, cut) in enumerate(zip(bufs, tensors, cuts))]
+        return out
+
+    def _plan(self, what: tuple, posted: list, dsts: list, copies):
+        """Every copy of an exchange into ``dsts`` from the ranks' ``posted`` tensors as 2-D copies, by rank
+        (:func:`~.group.planned`), made once per geometry: the copies' places relative to each tensor's first element
+        depend on the shapes and strides alone, the same for every block of a forward and every forward of its shapes.
+        ``copies(peer, tensors)``: (destination index, source index, destination view, source view) of one rank's.
+        None where the group copies otherwise or a copy is not a 2-D copy."""
+        if getattr(self.group, "copy_2d", None) is None:
+            return None
+        key = (what, self.rank, self.layout, self.kv, self.g, _geometry(dsts),
+               tuple(_geometry(tensors) for tensors, _, _ in posted))
+        plan = _PLANS.get(key, _UNPLANNED)
+        if plan is _UNPLANNED:
+            plan = planned([copies(peer, tensors) for peer, (tensors, _, _) in enumerate(posted)],
+                           dsts, [tensors for tensors, _, _ in posted])
+            if len(_PLANS) >= 4096:
+                _PLANS.clear()
+            _PLANS[key] = plan
+        return plan
 
     def to_heads(self, tensors: tuple, cuts: tuple, parts: list) -> list:
         """``tensors`` exchanged (one rendezvous) in ``parts`` of this rank's key/value heads ((start, count) within
@@ -170,7 +205,7 @@ class Exchange:
     def received_all(self) -> None:
         """The compute stream waits for every copy on the receive stream so far (CUDA)."""
         if self.recv is not None:
-            self.compute.wait_stream(self.recv)
+            self.group.after(self.rank, self.compute, self.recv)
 
     # ------------------------------------------------------------------ this rank's tokens of every head
 
@@ -182,31 +217,49 @@ class Exchange:
             out = torch.empty(of.shape[0], self.layout.local_len(self.rank), self.heads, of.shape[3], dtype=of.dtype,
                               device=of.device)
             if self.recv is not None:
-                self.recv.wait_stream(self.compute)  # ``out`` was made on the compute stream
+                self.group.after(self.rank, self.recv, self.compute)  # ``out`` was made on the compute stream
+        back = self.group.post(self.rank, (of,))
+        plan = self._plan(("tokens", part, parts), back, [out],
+                          lambda peer, tensors: self._tokens_copies(peer, tensors[0], out, part, parts))
+        if plan is not None:
+            self.group.run_plan(self.rank, back, plan, [out], self.recv, self.compute)
+            return out
+        for peer in range(self.group.size):
+            copies = self._tokens_copies(peer, back[peer][0][0], out, part, parts)
+            if copies:
+                copy = self.group.puller(self.rank, peer, back, self.recv)
+                for _, _, dst, src in copies:
+                    copy(dst, src)
+                finish(copy)
+        return out
+
+    def _tokens_copies(self, peer: int, op, out, part: int, parts: int) -> list:
+        """The copies of :meth:`to_tokens` from ``peer``'s output ``op``: (0, 0, destination view, source view)."""
         lay, g = self.layout, self.g
         p, sfx, full = lay.prefix, lay.suffix, lay.full_len
         s0, sc = lay.shards[self.rank]
-        back = self.group.post(self.rank, (of,))
-        for peer in range(self.group.size):
-            (op,) = back[peer][0]
-            pa, pc = self.kv[peer]
-            pl, pn = split(pc, parts)[part]
-            if pn == 0:
-                continue
-            heads = slice(g * (pa + pl), g * (pa + pl + pn))
-            copy = self.group.puller(self.rank, peer, back, self.recv)
-            if sc:
-                copy(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])
-            for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1]):
-                copy(out[:, dst_rows, heads], op[:, src_rows])
-            finish(copy)
-        return out
+        pa, pc = self.kv[peer]
+        pl, pn = split(pc, parts)[part]
+        if pn == 0:
+            return []
+        heads = slice(g * (pa + pl), g * (pa + pl + pn))
+        out_rows = [(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])] if sc else []
+        out_rows += [(out[:, dst_rows, heads], op[:, src_rows]) for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1])]
+        return [(0, 0, dst, src) for dst, src in out_rows]
 
     def done(self, out):
         """``out``, once the copies into it are done (the compute stream waits for them)."""
         if self.recv is not None:
-            self.compute.wait_stream(self.recv)
+            self.group.after(self.rank, self.compute, self.recv)
         return out
+
+
+_PLANS: dict = {}  # an exchange's geometry -> its 2-D copies by rank (Exchange._plan)
+_UNPLANNED = object()
+
+
+def _geometry(tensors) -> tuple:
+    return tuple((t.shape, t.stride(), t.dtype) for t in tensors)
 
 
 def _ends(prefix: int, suffix: int, full: int, local: int):

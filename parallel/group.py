@@ -45,10 +45,19 @@ class Group:
 
     def __init__(self, devices, timeout: float | None = 600.0, pipeline: int | None = None, min_tokens: int = 0,
                  pitched: bool | None = None, align: int | None = None, staged: bool | None = None,
-                 words: bool | None = None, work: Work | None = None, min_tflop: float = 0.0, attention: str = ""):
+                 words: bool | None = None, work: Work | None = None, min_tflop: float = 0.0, attention: str = "",
+                 copy_2d=None):
         self.devices = [torch.device(d) for d in devices]
         # strided shares cross between GPUs as 2-D copies (False: made contiguous first; None: PITCHED)
         self.pitched = PITCHED if pitched is None else pitched
+        # ``copy_2d(dst, dpitch, src, spitch, width, height, stream) -> error``: an exchange whose every copy is a 2-D
+        # copy runs from its plan (:func:`planned`) by it; None: copy by copy.  On CUDA GPUs: the runtime's
+        # cudaMemcpy2DAsync, where PITCHED and PLANNED; tests give a function over CPU memory
+        if copy_2d is None and self.pitched and PLANNED and all(d.type == "cuda" for d in self.devices):
+            copy_2d = _memcpy_2d()
+        self.copy_2d = copy_2d
+        self._events: dict = {}  # (rank, device) -> an event this rank's thread records and has a stream wait for
+        self._ready: dict = {}  # rank -> the two events its posts are recorded with, by round
         # each rank's share of a split sequence a multiple of this many tokens (but the last's; None: ALIGN)
         self.align = ALIGN if align is None else align
         # a model's unit may send q, k and v one by one as it makes them (None: STAGED)
@@ -103,7 +112,11 @@ class Group:
         if device.type != "cuda":
             return list(self._post(rank, (tuple(tensors), None, None)))
         send = self._stream(self._send, rank)
-        ready = torch.cuda.Event()
+        # two events by round, as the slots: a peer waits for one before it meets this rank at the next round's post
+        slots = self._ready.get(rank)
+        if slots is None:
+            slots = self._ready[rank] = (torch.cuda.Event(), torch.cuda.Event())
+        ready = slots[self._round[rank] & 1]
         ready.record(torch.cuda.current_stream(device))
         for t in tensors:
             if t.device == device:
@@ -119,13 +132,49 @@ class Group:
         stream = stream or torch.cuda.current_stream(self.devices[rank])
         return _puller(send, ready, stream, self.devices[peer] == self.devices[rank], self.pitched)
 
+    def run_plan(self, rank: int, posted: list, plan: tuple, dsts: list, stream, own) -> None:
+        """The copies of ``plan`` (:func:`planned`) from every rank's ``posted`` tensors into ``dsts``: a peer's on its
+        send stream, after its posting and after ``stream`` (where ``dsts`` were made ready), with ``stream`` waiting
+        for them; this rank's own on ``own`` (its compute stream, as its kernels).  Off CUDA: in order."""
+        fn = self.copy_2d
+        dptr = [d.data_ptr() for d in dsts]
+        for peer, entries in enumerate(plan):
+            if not entries:
+                continue
+            tensors, ready, send = posted[peer]
+            sptr = [t.data_ptr() for t in tensors]
+            copies = [(dptr[i] + do, dp, sptr[j] + so, sp, w, h) for i, j, do, dp, so, sp, w, h in entries]
+            if send is None:  # CPU ranks (tests)
+                _run_2d(fn, copies, None)
+                continue
+            if peer == rank:
+                with torch.cuda.device(own.device):
+                    _run_2d(fn, copies, own.cuda_stream)
+                continue
+            _peer_access(self.devices[peer], self.devices[rank], send)
+            send.wait_event(ready)
+            self.after(rank, send, stream)
+            with torch.cuda.device(send.device):
+                _run_2d(fn, copies, send.cuda_stream)
+            self.after(rank, stream, send)
+
+    def after(self, rank: int, waiter, stream) -> None:
+        """``waiter`` (a CUDA stream) waits for ``stream``'s work so far (``waiter.wait_stream(stream)`` with an event of
+        this rank's, reused: recorded and waited for at once, by this rank's thread alone)."""
+        key = (rank, stream.device)
+        ev = self._events.get(key)
+        if ev is None:
+            ev = self._events[key] = torch.cuda.Event()
+        ev.record(stream)
+        waiter.wait_event(ev)
+
     def settle(self, rank: int) -> None:
         """This rank's later work waits for the copies the other ranks have enqueued out of its tensors so far (on its
         send stream).  Eagerly the memory allocator keeps a posted tensor until they are done; a tensor of a CUDA graph
         has its place in the graph's memory, which a later piece of the graph writes again (:mod:`.graphs`)."""
         send = self._send[rank]
         if send is not None:
-            torch.cuda.current_stream(self.devices[rank]).wait_stream(send)
+            self.after(rank, torch.cuda.current_stream(self.devices[rank]), send)
 
     def settle_all(self) -> None:
         """:meth:`settle` for every rank, once every rank's forward has returned (from any thread: each device's
@@ -262,6 +311,10 @@ WORDS = True
 # Strided shares of a tensor cross between GPUs as 2-D copies (Group(pitched=False) overrides: made contiguous first).
 PITCHED = True
 
+# An exchange whose every copy is a 2-D copy runs from a plan made once per geometry (Exchange._plan), each copy a
+# call of the CUDA runtime; False: copy by copy (views, PyTorch's copies, the exchange before).
+PLANNED = True
+
 # At most this many 2-D copies for one tensor (a batch of several, each its own block of rows); more: the other path.
 MAX_BLOCKS = 8
 
@@ -348,16 +401,48 @@ def _memcpy_2d():
 _PEERS = set()  # (source device, destination device) pairs PyTorch has copied between
 
 
+def _peer_access(src, dst, stream) -> None:
+    """The first time between two devices, one element goes through PyTorch's own copy (on ``stream``, a send stream,
+    not a rank's compute stream): PyTorch then enables the source device's access to the destination's memory (peer
+    access), which the 2-D copy uses."""
+    pair = (src, dst)
+    if pair not in _PEERS and src != dst:
+        with torch.cuda.stream(stream):
+            torch.empty(1, device=dst).copy_(torch.zeros(1, device=src))
+        _PEERS.add(pair)
+
+
+def _run_2d(fn, copies, stream) -> None:
+    for c in copies:
+        err = fn(*c, stream)
+        if err:
+            raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err}): {c[5]} rows of {c[4]} bytes")
+
+
+def planned(copies: list, dsts: list, sources: list):
+    """An exchange's copies as 2-D copies: ``copies[peer]``, (destination index, source index, destination view,
+    source view) of every copy from that rank's tensors ``sources[peer]`` into ``dsts``, become by rank a tuple of
+    (destination index, source index, destination byte offset, pitch, source byte offset, pitch, width, height), each
+    offset from its tensor's first element (:func:`pitched_plan`); None where a copy is not a 2-D copy."""
+    plan = []
+    for peer, rank_copies in enumerate(copies):
+        entries = []
+        for i, j, dst, src in rank_copies:
+            p = pitched_plan(dst, src)
+            if p is None:
+                return None
+            db, sb = dst.data_ptr() - dsts[i].data_ptr(), src.data_ptr() - sources[peer][j].data_ptr()
+            entries += [(i, j, db + do, dp, sb + so, sp, w, h) for do, dp, so, sp, w, h in p]
+        plan.append(tuple(entries))
+    return tuple(plan)
+
+
 def _copy_2d(fn, dst, src, plan, stream) -> None:
     """The copies of :func:`pitched_plan` by ``fn`` (:func:`_memcpy_2d`) on ``stream`` (CUDA, with unified addressing:
     either device's memory).  The first time between two devices, one element goes through PyTorch's own copy first:
     PyTorch then enables the source device's access to the destination's memory (peer access), which the 2-D copy
     uses."""
-    pair = (src.device, dst.device)
-    if pair not in _PEERS:
-        with torch.cuda.stream(stream):  # on the source's send stream, not on its rank's compute stream
-            torch.empty(1, dtype=src.dtype, device=dst.device).copy_(src.new_zeros(1))
-        _PEERS.add(pair)
+    _peer_access(src.device, dst.device, stream)
     d, s, h = dst.data_ptr(), src.data_ptr(), stream.cuda_stream
     with torch.cuda.device(stream.device):
         for doff, dp, soff, sp, w, rows in plan:

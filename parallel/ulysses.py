@@ -33,7 +33,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .exchange import KV, Cut, Exchange, Layout
+from .exchange import KV, KV_HEADS_FIRST, Cut, Exchange, Layout
 from .group import Group, split
 
 
@@ -62,23 +62,30 @@ class RowMasks:
         if row != full:
             raise ValueError(f"mask rows 0..{row} of {full} tokens")
 
-    def around(self, local):
-        """The kernel ``local(q, k, v, mask=None)`` over the whole sequence, each range of query rows with its mask."""
+    def around(self, local, tokens: int = 1):
+        """The kernel ``local(q, k, v, mask=None)`` over the whole sequence, each range of query rows with its mask
+        (``tokens``: the queries' token dimension; the kernel's output has its tokens in dimension 1)."""
 
         def masked(q, k, v):
-            outs = [local(q[:, a:b], k, v, mask=m) for a, b, m in self.parts if b > a]
+            outs = [local(q.narrow(tokens, a, b - a), k, v, mask=m) for a, b, m in self.parts if b > a]
             return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
         return masked
 
 
 @torch.compiler.disable  # under torch.compile: a graph break; the exchange and the kernel run as they are
-def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, masks: RowMasks | None = None):
+def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, masks: RowMasks | None = None,
+            heads_first: bool = False):
     """Attention of this rank's tokens over every rank's tokens.
 
     ``q``: ``[B, L_r, H, D]``, ``k``/``v``: ``[B, L_r, Hk, D]``/``[B, L_r, Hk, Dv]`` (any strides; ``L_r`` =
     ``layout.local_len(rank)``).  ``local(q, k, v)`` is the kernel: it gets ``[B, L, h, D]`` tensors (contiguous, ``L``
     the whole sequence, ``h`` this rank's heads) and returns ``[B, L, h, Dv]`` (any strides).  Returns ``[B, L_r, H, Dv]``.
+
+    ``heads_first``: q, k, v are ``[B, H, L_r, D]`` (ComfyUI's ``skip_reshape`` calls: Flux's, HunyuanVideo's), and so
+    are the kernel's inputs (``[B, h, L, D]``, contiguous; its output as above).  Each head's tokens then cross between
+    GPUs as one block of memory, a 2-D copy for a whole tensor, where ``[B, L_r, H, D]`` views of them would cross a
+    head's row at a time.
 
     ``mask``: a key mask over this rank's keys, the same for every query: ``[1, L_r]``, ``[B, 1, L_r]`` or
     ``[B, H or 1, 1, L_r]`` (ComfyUI's mask shapes with one query row).  The kernel is then called as
@@ -91,24 +98,27 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     ``masks`` (:class:`RowMasks`): the kernel is called as ``local(q, k, v, mask=...)`` once per range of query rows
     (``q`` those rows only, a view).  A key mask and row masks together are refused.
     """
-    ex = getattr(group, "exchange_type", Exchange)(group, rank, layout, q.shape[2], k.shape[2])
-    key_mask, whole_mask = _masks(mask, masks, layout, k.shape[1], q.shape[2])
+    td, hd = (2, 1) if heads_first else (1, 2)  # the tokens' and the heads' dimensions
+    ex = getattr(group, "exchange_type", Exchange)(group, rank, layout, q.shape[hd], k.shape[hd])
+    key_mask, whole_mask = _masks(mask, masks, layout, k.shape[td], q.shape[hd])
     a, c = ex.mine
     if whole_mask is not None:
-        whole_mask = rank_mask(whole_mask, layout.full_len, q.shape[2], ex.g * a, ex.g * c)
-    tensors, cuts = (q, k, v), (ex.query(), KV, KV)
+        whole_mask = rank_mask(whole_mask, layout.full_len, q.shape[hd], ex.g * a, ex.g * c)
+    cuts = (Cut(2, 1, ex.g), KV_HEADS_FIRST, KV_HEADS_FIRST) if heads_first else (ex.query(), KV, KV)
+    tensors = (q, k, v)
     if key_mask is not None:  # its columns travel with the keys (with a head dimension: this rank's query heads)
         tensors, cuts = tensors + (key_mask,), cuts + (_key_mask_cut(key_mask, ex.g),)
     # the heads in parts, each exchanged while the kernel runs on the one before (a call with a mask: one part)
     plain = key_mask is None and whole_mask is None and masks is None
     parts = split(c, group.pipeline or PIPELINE_PARTS) if plain else [(0, c)]
-    kernel = _kernel(local, key_mask is not None, whole_mask, masks)
+    kernel = _kernel(local, key_mask is not None, whole_mask, masks, td)
 
     received = ex.to_heads(tensors, cuts, parts)
     out = None
     for i, (_, n) in enumerate(parts):
         bufs = ex.receive(received, i)
-        of = kernel(bufs) if n else bufs[2]  # a part of no heads (more ranks than heads): no kernel, an empty output
+        # a part of no heads (more ranks than heads): no kernel, an empty output
+        of = kernel(bufs) if n else bufs[2].transpose(1, 2) if heads_first else bufs[2]
         del bufs  # the kernel's inputs go before the output is exchanged
         out = ex.to_tokens(of, out, i, len(parts))
         del of
@@ -137,14 +147,15 @@ def _key_mask_cut(mask, g: int) -> Cut:
     return Cut(-1, 1, g) if mask.ndim == 4 and mask.shape[1] > 1 else Cut(-1)
 
 
-def _kernel(local, key_mask: bool, whole_mask, masks: RowMasks | None):
-    """The local kernel on one part's buffers (q, k, v and, with ``key_mask``, the exchanged mask)."""
+def _kernel(local, key_mask: bool, whole_mask, masks: RowMasks | None, tokens: int = 1):
+    """The local kernel on one part's buffers (q, k, v and, with ``key_mask``, the exchanged mask; ``tokens``: the
+    queries' token dimension)."""
     if key_mask:
         return lambda bufs: local(*bufs[:3], mask=bufs[3])
     if whole_mask is not None:
         return lambda bufs: local(*bufs, mask=whole_mask)
     if masks is not None:
-        return lambda bufs, masked=masks.around(local): masked(*bufs)
+        return lambda bufs, masked=masks.around(local, tokens): masked(*bufs)
     return lambda bufs: local(*bufs)
 
 
@@ -194,6 +205,12 @@ class Staged:
 # x1.829 (480p), two x1.883 / x1.827, four x1.867 / x1.804: over NVLink the exchange is too small a share (2-3 %) for the
 # overlap to pay for smaller kernels and a rendezvous per part. Kept for links where it is not (PCIe).
 PIPELINE_PARTS = 1
+
+
+# ComfyUI's skip_reshape calls (q, k, v as [B, H, L, D]: Flux's, HunyuanVideo's) are exchanged as they are, each head's
+# tokens one block of memory (False: as [B, L, H, D] views, a row per token and head, which cannot cross between GPUs
+# as a 2-D copy: made contiguous first, the exchange before; kept to measure against).
+HEADS_FIRST = True
 
 
 def mask_problem(mask, local_keys: int, full: int, heads: int) -> str | None:

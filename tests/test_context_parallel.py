@@ -74,6 +74,20 @@ def run_ranks(n, fn):
     return out, errs
 
 
+def memmove_2d(dst, dpitch, src, spitch, width, height, stream):
+    """``cudaMemcpy2DAsync`` over CPU memory (a group's ``copy_2d`` for ranks simulated on the CPU), counted."""
+    import ctypes
+
+    assert stream is None
+    memmove_2d.calls += 1
+    for r in range(height):
+        ctypes.memmove(dst + r * dpitch, src + r * spitch, width)
+    return 0
+
+
+memmove_2d.calls = 0
+
+
 def run_plan(dst, src, plan):
     """What ``cudaMemcpy2DAsync`` does with a :func:`pitched_plan` entry, row by row on the CPU."""
     import ctypes
@@ -108,6 +122,25 @@ def test_a_share_of_the_heads_crosses_as_2d_copies(b, dtype):
     want = torch.zeros_like(big)
     want[:, 10:35, 4:9] = back
     assert torch.equal(out, want)
+
+
+def test_a_heads_first_share_crosses_as_one_2d_copy_a_tensor():
+    """A rank's shard of ``[B, H, L, D]`` (ComfyUI's skip_reshape calls: Flux's) into the buffer of its heads over the
+    whole sequence, and the tokens held whole from its own copy: one block of rows a tensor, one row per head, where
+    the same tensors seen as ``[B, L, H, D]`` leave a row per token and head (no 2-D copy: the other path)."""
+    heads, full, prefix, d = 6, 50, 12, 16  # more tokens than MAX_BLOCKS in either part
+    local = torch.randn(1, heads, prefix + 20, d, dtype=torch.bfloat16)  # prefix + a rank's 20 tokens, every head
+    buf = torch.zeros(1, 3, full, d, dtype=torch.bfloat16)  # this rank's 3 heads, every token
+    cut = E.Cut(2, 1)
+    for dst_rows, src_rows in ((slice(prefix + 10, prefix + 30), slice(prefix, prefix + 20)),
+                               (slice(0, prefix), slice(0, prefix))):
+        dst, src = cut.rows(buf, dst_rows), cut.of(local, src_rows, 3, 6)
+        plan = G.pitched_plan(dst, src)
+        assert plan is not None and len(plan) == 1 and plan[0][5] == 3  # one row of tokens per head
+        run_plan(dst, src, plan)
+        assert torch.equal(dst, src)
+        old = torch.zeros(1, full, 3, d, dtype=torch.bfloat16)  # the same call exchanged as [B, L, H, D] views
+        assert G.pitched_plan(E.KV.rows(old, dst_rows), E.KV.of(local.transpose(1, 2), src_rows, 3, 6)) is None
 
 
 def test_whole_rows_are_one_block_and_other_copies_are_refused():
@@ -173,34 +206,48 @@ def test_an_aligned_split_keeps_every_share_but_the_last_a_multiple(total, parts
     assert [s for s, _ in got] == [sum(want[:i]) for i in range(parts)]
 
 
+@pytest.mark.parametrize("planned", [False, True])
+@pytest.mark.parametrize("heads_first", [False, True])
 @pytest.mark.parametrize("pipeline", [None, 2, 3])
 @pytest.mark.parametrize("n,heads,kv_heads,prefix,suffix,tokens", [
     (2, 4, 4, 0, 0, 37), (3, 40, 40, 5, 0, 50), (4, 3, 3, 0, 7, 21), (4, 8, 2, 3, 2, 33), (3, 2, 2, 0, 0, 10),
     (2, 24, 24, 11, 0, 64)])
-def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens, pipeline):
-    """... with the heads sent in ``pipeline`` parts (None: one on the CPU), each part its own kernel call."""
+def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix, suffix, tokens, pipeline, heads_first,
+                                                     planned):
+    """... with the heads sent in ``pipeline`` parts (None: one on the CPU), each part its own kernel call; q, k and v
+    ``[B, L, H, D]`` or, ``heads_first``, ``[B, H, L, D]`` (ComfyUI's skip_reshape calls), the kernel's the same way;
+    every copy copied by itself or (``planned``) the exchange run from its plan of 2-D copies, made once per geometry."""
     g = torch.Generator().manual_seed(n * 100 + heads)
     b, d = 2, 8
     L = prefix + tokens + suffix
     q, k, v = rand_qkv(g, b, L, heads, kv_heads, d, d + 2)
     ref = whole(q, k, v)
     lay = E.shard_layout(tokens, n, prefix, suffix)
-    group = G.Group(["cpu"] * n, pipeline=pipeline)
+    group = G.Group(["cpu"] * n, pipeline=pipeline, copy_2d=memmove_2d if planned else None)
+    memmove_2d.calls = 0
+    if planned:  # every copy from the plan
+        group.puller = lambda *a: pytest.fail("a copy made by itself")
 
     def local(t, r):
-        return rank_rows(t, lay, r)
+        t = rank_rows(t, lay, r)
+        return t.transpose(1, 2).contiguous() if heads_first else t
 
     calls = []
 
     def kernel(qf, kf, vf):
+        if heads_first:
+            assert qf.is_contiguous() and kf.is_contiguous() and vf.is_contiguous()
+            qf, kf, vf = qf.transpose(1, 2), kf.transpose(1, 2), vf.transpose(1, 2)
         calls.append(qf.shape)
-        return whole(qf, kf, vf)
+        return whole(qf, kf, vf).contiguous()  # as a kernel's [B, L, h*Dv] seen as [B, L, h, Dv]
 
-    outs, errs = run_ranks(n, lambda r: U.ulysses(group, r, lay, local(q, r), local(k, r), local(v, r), kernel))
+    outs, errs = run_ranks(n, lambda r: U.ulysses(group, r, lay, local(q, r), local(k, r), local(v, r), kernel,
+                                                  heads_first=heads_first))
     assert errs == [None] * n
     for r in range(n):
         assert outs[r].shape == (b, lay.local_len(r), heads, d + 2)
-        assert (outs[r] - local(ref, r)).abs().max() < 1e-12
+        assert (outs[r] - rank_rows(ref, lay, r)).abs().max() < 1e-12
+    assert (memmove_2d.calls > 0) == planned
     # every rank's kernel saw the whole sequence and its share of the heads (fewer heads than ranks: some see none),
     # in parts when pipelined
     parts = [m for _, c in G.split(kv_heads, n) for _, m in G.split(c, pipeline or 1)]

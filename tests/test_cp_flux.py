@@ -16,7 +16,7 @@ import pytest
 import test_context_parallel
 import torch
 from pack import load
-from test_context_parallel import _case, calls_under_patch, check_split, rand_qkv, rank_rows, run_ranks
+from test_context_parallel import _case, _split, calls_under_patch, check_split, memmove_2d, rand_qkv, rank_rows, run_ranks
 from test_context_parallel import whole as masked_whole
 
 zoo = test_context_parallel.zoo  # the fixture (an import of it would be an unused name that the tests redefine)
@@ -179,6 +179,32 @@ def test_a_split_flux_forward_gives_the_one_device_latent(zoo, name, n):
     _, case = _case(z, name)
     # one joint attention call per block per forward on every rank (the conds of a step are one batch)
     assert exchanged == n * _blocks(z, name) * case.steps
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name", ["Flux", "FluxSchnell", "Flux2"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_an_exchange_run_from_its_plan_gives_the_latent_of_copies_made_one_by_one(zoo, name, n, monkeypatch):
+    """Every exchange of a split Flux forward (joint attention heads first, Redux's mask, the gathers) run from its
+    plan of 2-D copies, as on CUDA GPUs (here over CPU memory): the latent of the exchange copy by copy, bit for bit."""
+    z, mod, mappings = zoo
+    cls, case = _case(z, name)
+    if CASES[name].get("latent") is not None:
+        case = z.with_(case, latent=CASES[name]["latent"])
+    base = z.build(cls, case)
+    one_by_one = z.sample(_split(mod, base, n), case)
+    group = mod.parallel.group.Group
+    init = group.__init__
+
+    def planned(self, *a, **k):
+        init(self, *a, **k)
+        self.copy_2d = memmove_2d
+
+    monkeypatch.setattr(group, "__init__", planned)
+    memmove_2d.calls = 0
+    out = z.sample(_split(mod, base, n), case)
+    assert memmove_2d.calls > 0
+    assert torch.equal(out, one_by_one)
 
 
 @pytest.mark.comfyui

@@ -8,6 +8,7 @@ islands are what is tested -- which work a replay skips, what it runs again, wit
 
 from __future__ import annotations
 
+import copy
 import importlib
 import logging
 import threading
@@ -190,16 +191,19 @@ def test_a_replay_hands_its_own_steps_sigma_to_patch_attention(zoo, n):
 
 
 @pytest.mark.comfyui
+@pytest.mark.parametrize("what", ["weight", "module"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n):
-    """ComfyUI's hooks may patch weights between steps by putting new tensors in place of the old: a replay would read
-    the old ones, so the forward is recorded again (the latent is the eager split's with the same change)."""
+def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n, what):
+    """ComfyUI's hooks may patch weights between steps by putting new tensors in place of the old (or a node a new
+    layer in place of one): a replay would read the old ones, so the forward is recorded again (the latent is the eager
+    split's with the same change)."""
     z, mod, _ = zoo
     base, case = _build(z, "Flux", None)
     dm = base.model.diffusion_model
-    layer = dm.double_blocks[0].img_attn.qkv
+    attn = dm.double_blocks[0].img_attn
 
     def sampled(graphs, swap=True):
+        layer = attn.qkv
         original = layer.weight
         seen, lock = [0], threading.Lock()
 
@@ -207,7 +211,12 @@ def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n):
             with lock:  # the ranks' threads
                 seen[0] += 1
                 if swap and seen[0] == 2 * n + 1:
-                    layer.weight = torch.nn.Parameter(original.detach() * 1.5, requires_grad=False)
+                    if what == "weight":
+                        layer.weight = torch.nn.Parameter(original.detach() * 1.5, requires_grad=False)
+                    else:
+                        new = copy.deepcopy(layer)
+                        new.weight.data.mul_(1.5)
+                        attn.qkv = new
 
         hook = dm.register_forward_pre_hook(swapped)
         try:
@@ -215,6 +224,7 @@ def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n):
             return sample(z, graphed(mod, base, n, graphs=graphs), case), RecordedGraph.graphs
         finally:
             hook.remove()
+            attn.qkv = layer
             layer.weight = original
 
     eager, _ = sampled(False)

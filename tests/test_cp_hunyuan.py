@@ -184,10 +184,10 @@ def _masked_calls(mod):
     seen = []
     real = mod.parallel.context.RankContext.attention
 
-    def counting(self, q, k, v, local, mask=None):
+    def counting(self, q, k, v, local, mask=None, **kw):
         if mask is not None:
             seen.append((self.rank, tuple(mask.shape)))
-        return real(self, q, k, v, local, mask)
+        return real(self, q, k, v, local, mask, **kw)
 
     return seen, real, counting
 

@@ -10,7 +10,9 @@ call's heads sent in N parts, N = 1: no overlap of exchange and kernel; plain ``
 shares made contiguous before they cross between GPUs instead of 2-D copies: the exchange before), ``cp-a128`` (every
 GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unstaged`` (Wan's q, k and v sent together
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
-element by element, not as 8-byte words), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
+element by element, not as 8-byte words), ``cp-views`` (q, k and v of ComfyUI's skip_reshape calls, Flux's,
+exchanged as ``[B, L, H, D]`` views, not heads first: the exchange before), ``cp-unplanned`` (every copy of an
+exchange made by itself, not run from its plan of 2-D copies), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
 that has 4), ``-easycacheN`` / ``-lazycacheN`` on any mode
 (ComfyUI's EasyCache or LazyCache node after the multi-GPU node, threshold N/100; compared with the one-GPU row with the
 same cache, its "skipped n/m steps" in the row), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
@@ -102,7 +104,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-eager|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
+MODIFIERS = re.compile(r"-eager|-views|-unplanned|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
 SAME_RUN = re.compile(r"-compile|-easycache\d+|-lazycache\d+")  # what a row's one-GPU baseline has too
 
 
@@ -258,6 +260,9 @@ class HostTime:
             text = io.StringIO()
             pstats.Stats(self.prof, stream=text).sort_stats("tottime").print_stats(45)
             out["pyprofile"] = text.getvalue()[-9000:]
+            text = io.StringIO()
+            pstats.Stats(self.prof, stream=text).sort_stats("cumulative").print_stats(60)
+            out["pyprofile_cumulative"] = text.getvalue()[-12000:]
         return out
 
 
@@ -345,8 +350,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
     times = {row: ([], []) for row in rows}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
-    rule, switch = uly.PIPELINE_PARTS, sys.getswitchinterval()
-    exchange = {name: getattr(grp, name) for name in ("PITCHED", "ALIGN", "STAGED", "WORDS")}  # put back after each row
+    rule, switch, heads_first = uly.PIPELINE_PARTS, sys.getswitchinterval(), uly.HEADS_FIRST
+    exchange = {name: getattr(grp, name) for name in ("PITCHED", "ALIGN", "STAGED", "WORDS", "PLANNED")}  # put back
     for rnd, row in ((i, row) for i in range(rounds) for row in rows):
         r = out[row]
         if "error" in r:
@@ -355,6 +360,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         uly.PIPELINE_PARTS = int(parts) if parts else rule
         mods = modifiers(row)
         grp.PITCHED = "-flat" not in mods
+        grp.PLANNED = exchange["PLANNED"] and "-unplanned" not in mods
+        uly.HEADS_FIRST = heads_first and "-views" not in mods
         grp.STAGED = "-unstaged" not in mods
         grp.WORDS = "-narrow" not in mods
         cpn.GRAPHS = "-eager" not in mods
