@@ -190,7 +190,8 @@ class Exchange:
         for (lo, n), pbufs in zip(parts, bufs):
             if n:
                 self.pull(posted, pbufs, cuts, lo, n)
-            arrived.append(self.recv.record_event() if self.recv is not None else None)
+            arrived.append(self.group.mark(self.rank, ("arrived", len(arrived)), self.recv)
+                           if self.recv is not None else None)
         return list(zip(bufs, arrived))
 
     def receive(self, received: list, i: int) -> list:

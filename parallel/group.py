@@ -53,11 +53,11 @@ class Group:
         # ``copy_2d(dst, dpitch, src, spitch, width, height, stream) -> error``: an exchange whose every copy is a 2-D
         # copy runs from its plan (:func:`planned`) by it; None: copy by copy.  On CUDA GPUs: the runtime's
         # cudaMemcpy2DAsync, where PITCHED and PLANNED; tests give a function over CPU memory
-        if copy_2d is None and self.pitched and PLANNED and all(d.type == "cuda" for d in self.devices):
+        cuda = all(d.type == "cuda" for d in self.devices)
+        if copy_2d is None and self.pitched and PLANNED and cuda:
             copy_2d = _memcpy_2d()
         self.copy_2d = copy_2d
-        self._events: dict = {}  # (rank, device) -> an event this rank's thread records and has a stream wait for
-        self._ready: dict = {}  # rank -> the two events its posts are recorded with, by round
+        self._events: dict = {}  # (rank, what, device) -> an event of this rank's, recorded again each time
         # each rank's share of a split sequence a multiple of this many tokens (but the last's; None: ALIGN)
         self.align = ALIGN if align is None else align
         # a model's unit may send q, k and v one by one as it makes them (None: STAGED)
@@ -113,11 +113,7 @@ class Group:
             return list(self._post(rank, (tuple(tensors), None, None)))
         send = self._stream(self._send, rank)
         # two events by round, as the slots: a peer waits for one before it meets this rank at the next round's post
-        slots = self._ready.get(rank)
-        if slots is None:
-            slots = self._ready[rank] = (torch.cuda.Event(), torch.cuda.Event())
-        ready = slots[self._round[rank] & 1]
-        ready.record(torch.cuda.current_stream(device))
+        ready = self.mark(rank, ("ready", self._round[rank] & 1), torch.cuda.current_stream(device))
         for t in tensors:
             if t.device == device:
                 t.record_stream(send)
@@ -147,26 +143,30 @@ class Group:
             if send is None:  # CPU ranks (tests)
                 _run_2d(fn, copies, None)
                 continue
-            if peer == rank:
-                with torch.cuda.device(own.device):
-                    _run_2d(fn, copies, own.cuda_stream)
-                continue
-            _peer_access(self.devices[peer], self.devices[rank], send)
-            send.wait_event(ready)
-            self.after(rank, send, stream)
-            with torch.cuda.device(send.device):
-                _run_2d(fn, copies, send.cuda_stream)
-            self.after(rank, stream, send)
+            on = own if peer == rank else send
+            if peer != rank:
+                _peer_access(self.devices[peer], self.devices[rank], send)
+                send.wait_event(ready)
+                self.after(rank, send, stream)
+            with torch.cuda.device(on.device):
+                _run_2d(fn, copies, on.cuda_stream)
+            if peer != rank:
+                self.after(rank, stream, send)
 
-    def after(self, rank: int, waiter, stream) -> None:
-        """``waiter`` (a CUDA stream) waits for ``stream``'s work so far (``waiter.wait_stream(stream)`` with an event of
-        this rank's, reused: recorded and waited for at once, by this rank's thread alone)."""
-        key = (rank, stream.device)
+    def mark(self, rank: int, what, stream):
+        """This rank's event ``what`` recorded on ``stream``: one event per rank, name and device, recorded again each
+        time (PyTorch's ``record_event`` makes a new one each time)."""
+        key = (rank, what, stream.device)
         ev = self._events.get(key)
         if ev is None:
             ev = self._events[key] = torch.cuda.Event()
         ev.record(stream)
-        waiter.wait_event(ev)
+        return ev
+
+    def after(self, rank: int, waiter, stream) -> None:
+        """``waiter`` (a CUDA stream) waits for ``stream``'s work so far (``waiter.wait_stream(stream)`` with an event of
+        this rank's, reused: recorded and waited for at once, by this rank's thread alone)."""
+        waiter.wait_event(self.mark(rank, "after", stream))
 
     def settle(self, rank: int) -> None:
         """This rank's later work waits for the copies the other ranks have enqueued out of its tensors so far (on its

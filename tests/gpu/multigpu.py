@@ -190,7 +190,7 @@ class HostTime:
         self.graphs = importlib.import_module(pack.__name__ + ".parallel.graphs")
         self.group = importlib.import_module(pack.__name__ + ".parallel.group")
         self.n = 0
-        self.total = self.wait = self.launch = 0.0
+        self.total = self.wait = self.launch = self.cpu = 0.0
         # MG_PYPROFILE=1: the first GPU's replays under cProfile (the main thread's), the top functions in the row
         self.prof = None
         if os.environ.get("MG_PYPROFILE"):
@@ -219,7 +219,7 @@ class HostTime:
                     launch[0] += time.perf_counter() - t
 
             p.graphs = [Timed(g) for g in graphs]
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.thread_time()
             tls.on = True
             main = me.prof is not None and threading.current_thread() is threading.main_thread()
             if main:
@@ -232,6 +232,7 @@ class HostTime:
                 tls.on = False
                 p.graphs = graphs
                 me.total += time.perf_counter() - t0
+                me.cpu += time.thread_time() - c0
                 me.launch += launch[0]
                 me.n += 1
 
@@ -251,7 +252,7 @@ class HostTime:
 
     def summary(self) -> dict:
         n = max(self.n, 1)
-        out = {"replays": self.n, "replay_ms": round(1e3 * self.total / n, 2),
+        out = {"replays": self.n, "replay_ms": round(1e3 * self.total / n, 2), "cpu_ms": round(1e3 * self.cpu / n, 2),
                "rendezvous_ms": round(1e3 * self.wait / n, 2), "graph_launch_ms": round(1e3 * self.launch / n, 2)}
         if self.prof is not None:
             import io
