@@ -407,6 +407,35 @@ def check_split(zoo, name: str, n: int, latent=None, whole=(), case=None, tol: f
     return len(counts)
 
 
+def check_planned(zoo, cls, case, n: int, monkeypatch) -> None:
+    """A model of ``cls`` sampled split over ``n`` simulated ranks with every exchange run from its plan of 2-D copies,
+    as on CUDA GPUs (here over CPU memory): the latent of the exchange copy by copy, bit for bit."""
+    z, mod, mappings = zoo
+    base = z.build(cls, case)
+    one_by_one = z.sample(_split(mod, base, n), case)
+    group = mod.parallel.group.Group
+    init = group.__init__
+
+    def planned(self, *a, **k):
+        init(self, *a, **k)
+        self.copy_2d = memmove_2d
+
+    monkeypatch.setattr(group, "__init__", planned)
+    memmove_2d.calls = 0
+    out = z.sample(_split(mod, base, n), case)
+    assert memmove_2d.calls > 0
+    assert torch.equal(out, one_by_one)
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_wan_exchanges_run_from_their_plan_give_the_latent_of_copies_made_one_by_one(zoo, n, monkeypatch):
+    """Wan's q, k and v sent one by one as the model makes them, each from its plan."""
+    z, _, _ = zoo
+    cls, case = _case(z, "WAN21_T2V")
+    check_planned(zoo, cls, z.with_(case, latent=CASES["WAN21_T2V"]["latent"]), n, monkeypatch)
+
+
 @pytest.mark.comfyui
 @pytest.mark.parametrize("name", list(CASES))
 @pytest.mark.parametrize("n", [2, 3, 4])

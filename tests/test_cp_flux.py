@@ -16,7 +16,7 @@ import pytest
 import test_context_parallel
 import torch
 from pack import load
-from test_context_parallel import _case, _split, calls_under_patch, check_split, memmove_2d, rand_qkv, rank_rows, run_ranks
+from test_context_parallel import _case, calls_under_patch, check_planned, check_split, rand_qkv, rank_rows, run_ranks
 from test_context_parallel import whole as masked_whole
 
 zoo = test_context_parallel.zoo  # the fixture (an import of it would be an unused name that the tests redefine)
@@ -191,20 +191,7 @@ def test_an_exchange_run_from_its_plan_gives_the_latent_of_copies_made_one_by_on
     cls, case = _case(z, name)
     if CASES[name].get("latent") is not None:
         case = z.with_(case, latent=CASES[name]["latent"])
-    base = z.build(cls, case)
-    one_by_one = z.sample(_split(mod, base, n), case)
-    group = mod.parallel.group.Group
-    init = group.__init__
-
-    def planned(self, *a, **k):
-        init(self, *a, **k)
-        self.copy_2d = memmove_2d
-
-    monkeypatch.setattr(group, "__init__", planned)
-    memmove_2d.calls = 0
-    out = z.sample(_split(mod, base, n), case)
-    assert memmove_2d.calls > 0
-    assert torch.equal(out, one_by_one)
+    check_planned(zoo, cls, case, n, monkeypatch)
 
 
 @pytest.mark.comfyui

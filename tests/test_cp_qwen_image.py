@@ -15,7 +15,20 @@ import importlib
 import pytest
 import test_context_parallel
 import torch
-from test_context_parallel import C, E, G, U, _case, calls_under_patch, check_split, rand_qkv, rank_rows, rel_l1, run_ranks
+from test_context_parallel import (
+    C,
+    E,
+    G,
+    U,
+    _case,
+    calls_under_patch,
+    check_planned,
+    check_split,
+    rand_qkv,
+    rank_rows,
+    rel_l1,
+    run_ranks,
+)
 from test_context_parallel import whole as whole_masked
 
 F = torch.nn.functional
@@ -146,6 +159,18 @@ def test_a_split_forward_gives_the_one_device_latent(zoo, config, n):
     exchanged = check_split(zoo, name, n, case=case)
     # one joint attention call per block per forward (the conds of a step are one batch: one forward per step)
     assert exchanged == n * 3 * case.steps
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("config", ["t2i", "edit-2511"])
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_exchanges_run_from_their_plan_give_the_latent_of_copies_made_one_by_one(zoo, config, n, monkeypatch):
+    """Qwen-Image's joint attention heads first, its text mask travelling with the keys, each exchange from its plan."""
+    import comfy.supported_models as sm
+
+    z, _, _ = zoo
+    name, case = _qwen_case(z, config)
+    check_planned(zoo, getattr(sm, name), case, n, monkeypatch)
 
 
 @pytest.mark.comfyui
