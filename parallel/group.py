@@ -428,13 +428,44 @@ def planned(copies: list, dsts: list, sources: list):
     for peer, rank_copies in enumerate(copies):
         entries = []
         for i, j, dst, src in rank_copies:
+            if dst.numel() == 0 and dst.shape == src.shape:  # nothing to copy (a rank with no heads)
+                continue
             p = pitched_plan(dst, src)
             if p is None:
                 return None
             db, sb = dst.data_ptr() - dsts[i].data_ptr(), src.data_ptr() - sources[peer][j].data_ptr()
             entries += [(i, j, db + do, dp, sb + so, sp, w, h) for do, dp, so, sp, w, h in p]
-        plan.append(tuple(entries))
+        plan.append(_joined(entries))
     return tuple(plan)
+
+
+def _joined(entries: list) -> tuple:
+    """``entries`` of :func:`planned` with copies that continue one another (the next rows of the same tensors, the
+    same pitches: a GPU's own text tokens and its share after them) made one."""
+    out = []
+    for e in entries:
+        for k, f in enumerate(out):
+            joined = _join(f, e) or _join(e, f)
+            if joined:
+                out[k] = joined
+                break
+        else:
+            out.append(e)
+    return tuple(out)
+
+
+def _join(a: tuple, b: tuple):
+    """One copy for copy ``a`` and then copy ``b`` where ``b`` goes on where ``a`` ends, in both tensors: its next
+    rows, or the next bytes of each of its rows (heads first: a head's text tokens, then its share); None otherwise."""
+    i, j, do, dp, so, sp, w, h = a
+    i2, j2, do2, dp2, so2, sp2, w2, h2 = b
+    if (i, j, dp, sp) != (i2, j2, dp2, sp2):
+        return None
+    if w == w2 and do2 == do + h * dp and so2 == so + h * sp:
+        return i, j, do, dp, so, sp, w, h + h2
+    if h == h2 and do2 == do + w and so2 == so + w and w + w2 <= min(dp, sp):
+        return i, j, do, dp, so, sp, w + w2, h
+    return None
 
 
 def _copy_2d(fn, dst, src, plan, stream) -> None:

@@ -99,6 +99,8 @@ def ulysses(group: Group, rank: int, layout: Layout, q, k, v, local, mask=None, 
     (``q`` those rows only, a view).  A key mask and row masks together are refused.
     """
     td, hd = (2, 1) if heads_first else (1, 2)  # the tokens' and the heads' dimensions
+    if heads_first:  # each head's tokens one block (Flux's single blocks hand v as a view of their fused projection)
+        q, k, v = (t if t.stride(3) == 1 and t.stride(2) == t.shape[3] else t.contiguous() for t in (q, k, v))
     ex = getattr(group, "exchange_type", Exchange)(group, rank, layout, q.shape[hd], k.shape[hd])
     key_mask, whole_mask = _masks(mask, masks, layout, k.shape[td], q.shape[hd])
     a, c = ex.mine

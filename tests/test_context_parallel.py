@@ -12,6 +12,7 @@ from __future__ import annotations
 import functools
 import gc
 import importlib
+import sys
 import threading
 
 import pytest
@@ -143,6 +144,31 @@ def test_a_heads_first_share_crosses_as_one_2d_copy_a_tensor():
         assert G.pitched_plan(E.KV.rows(old, dst_rows), E.KV.of(local.transpose(1, 2), src_rows, 3, 6)) is None
 
 
+@pytest.mark.parametrize("heads_first", [False, True])
+def test_a_plan_makes_one_copy_of_copies_that_continue_one_another(heads_first):
+    """The first GPU's own text tokens and its share right after them, in its buffer as in its tensors: one copy a
+    tensor in the plan (the next rows, or heads first the next bytes of each head's row); the second GPU's share does
+    not continue its text in the buffer: two.  Run, the plan fills the buffers as the copies one by one do."""
+    heads, prefix, tokens, d = 6, 5, 20, 8
+    lay = E.shard_layout(tokens, 2, prefix)
+    group = G.Group(["cpu"] * 2, copy_2d=memmove_2d)
+    cut = E.Cut(2, 1) if heads_first else E.KV
+    for rank, copies in ((0, 1), (1, 2)):
+        ex = E.Exchange(group, rank, lay, heads, heads)
+        t = torch.randn(1, prefix + 10, heads, d)
+        t = t.transpose(1, 2).contiguous() if heads_first else t
+        bufs = ex.buffers((t,), (cut,), 3)
+        own = ex._heads_copies(rank, (t,), bufs, (cut,), 0, 3)
+        plan = G.planned([own if p == rank else [] for p in range(2)], bufs, [(t,), (t,)])
+        assert len(plan[rank]) == copies
+        want = torch.zeros_like(bufs[0])
+        for _, _, dst, src in ex._heads_copies(rank, (t,), [want], (cut,), 0, 3):
+            dst.copy_(src)
+        bufs[0].zero_()
+        group.run_plan(rank, [((t,), None, None)] * 2, plan, bufs, None, None)
+        assert torch.equal(bufs[0], want)
+
+
 def test_whole_rows_are_one_block_and_other_copies_are_refused():
     """Every batch element's whole sequence: one block; a strided last dimension, a broadcast source, other dtypes or
     more blocks than MAX_BLOCKS: None (the copy takes the other path)."""
@@ -232,6 +258,13 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
         t = rank_rows(t, lay, r)
         return t.transpose(1, 2).contiguous() if heads_first else t
 
+    def local_v(r):  # heads first: as Flux's single blocks hand v, a view of the fused q, k, v projection
+        t = local(v, r)
+        if not heads_first:
+            return t
+        fused = torch.stack([torch.zeros_like(t), torch.zeros_like(t), t], 0).permute(1, 3, 0, 2, 4).contiguous()
+        return fused.permute(2, 0, 3, 1, 4)[2]  # [B, L, 3, H, D] -> [3, B, H, L, D]: tokens 3 * H * D apart
+
     calls = []
 
     def kernel(qf, kf, vf):
@@ -241,7 +274,7 @@ def test_ulysses_gives_whole_attention_on_every_rank(n, heads, kv_heads, prefix,
         calls.append(qf.shape)
         return whole(qf, kf, vf).contiguous()  # as a kernel's [B, L, h*Dv] seen as [B, L, h, Dv]
 
-    outs, errs = run_ranks(n, lambda r: U.ulysses(group, r, lay, local(q, r), local(k, r), local(v, r), kernel,
+    outs, errs = run_ranks(n, lambda r: U.ulysses(group, r, lay, local(q, r), local(k, r), local_v(r), kernel,
                                                   heads_first=heads_first))
     assert errs == [None] * n
     for r in range(n):
@@ -420,10 +453,18 @@ def check_planned(zoo, cls, case, n: int, monkeypatch) -> None:
         init(self, *a, **k)
         self.copy_2d = memmove_2d
 
+    callers, puller = [], group.puller
+
+    def counted(self, *a, **k):
+        callers.append(sys._getframe(1).f_code.co_name)
+        return puller(self, *a, **k)
+
     monkeypatch.setattr(group, "__init__", planned)
+    monkeypatch.setattr(group, "puller", counted)
     memmove_2d.calls = 0
     out = z.sample(_split(mod, base, n), case)
     assert memmove_2d.calls > 0
+    assert set(callers) <= {"exchange"}  # copies made one by one: the gathers of the tokens only
     assert torch.equal(out, one_by_one)
 
 
