@@ -12,7 +12,8 @@ GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unst
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``cp-views`` (q, k and v of ComfyUI's skip_reshape calls, Flux's,
 exchanged as ``[B, L, H, D]`` views, not heads first: the exchange before), ``cp-unplanned`` (every copy of an
-exchange made by itself, not run from its plan of 2-D copies), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
+exchange made by itself, not run from its plan of 2-D copies), ``cp-simN`` (N ranks simulated on the first GPU,
+sharing its model: a split's host work measured on one GPU), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
 that has 4), ``-easycacheN`` / ``-lazycacheN`` on any mode
 (ComfyUI's EasyCache or LazyCache node after the multi-GPU node, threshold N/100; compared with the one-GPU row with the
 same cache, its "skipped n/m steps" in the row), ``-compile`` on any mode (ComfyUI's TorchCompileModel with the node's options, inductor, applied after the
@@ -104,7 +105,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-eager|-views|-unplanned|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
+MODIFIERS = re.compile(r"-sim\d+|-eager|-views|-unplanned|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
 SAME_RUN = re.compile(r"-compile|-easycache\d+|-lazycache\d+")  # what a row's one-GPU baseline has too
 
 
@@ -176,6 +177,9 @@ def _row_model(pack, cpn, job, extra, row):
     m = job.model if backend == "unpatched" else pack.nodes.patch.patch_model(job.model, backend)
     if mode == "1":
         return m
+    sim = next((int(g[4:]) for g in modifiers(row) if g.startswith("-sim")), 0)
+    if sim:  # ranks simulated on the first GPU, sharing its model: the host's work of a split, on one GPU
+        return cpn.context_parallel(m, simulate=sim, min_tokens=MIN_TOKENS[0])
     m = with_copies(m, extra)
     if mode == "cfg":
         return m
