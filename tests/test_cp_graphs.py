@@ -3,7 +3,7 @@
 A CUDA graph needs a GPU; here a stand-in with its interface records every operation of a piece (a dispatch mode) and
 runs them again, into the tensors it recorded, at each replay: what a graph does, on the CPU.  So the node's pieces and
 islands are what is tested -- which work a replay skips, what it runs again, with which forward's values -- on 2, 3 and
-4 simulated ranks; that real graphs record the same work is checked on GPUs (tests/gpu/multigpu.py, ``--graphs``).
+4 simulated ranks; that real graphs record the same work is checked on GPUs (tests/gpu/run.sh stage ``multigpu-graphs``: latents bit for bit).
 """
 
 from __future__ import annotations
