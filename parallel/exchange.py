@@ -142,22 +142,22 @@ class Exchange:
 
     def pull_from(self, peer: int, tensors: tuple, copy, bufs: list, cuts: tuple, lo: int, n: int) -> None:
         """:meth:`pull` from one rank's posted ``tensors`` (this rank's own: with the tokens held whole)."""
-        for _, _, dst, src in self._heads_copies(peer, tensors, bufs, cuts, lo, n):
+        for _, dst, src in self._heads_copies(peer, tensors, bufs, cuts, lo, n):
             copy(dst, src)
         finish(copy)
 
     def _heads_copies(self, peer: int, tensors: tuple, bufs: list, cuts: tuple, lo: int, n: int) -> list:
-        """The copies of :meth:`pull_from`: (buffer, tensor, destination view, source view)."""
+        """The copies of :meth:`pull_from`: (the buffer's and the tensor's index, destination view, source view)."""
         lay, out = self.layout, []
         a = self.mine[0] + lo
         s0, sc = lay.shards[peer]
         if sc:
             rows, src = slice(lay.prefix + s0, lay.prefix + s0 + sc), slice(lay.prefix, lay.prefix + sc)
-            out += [(i, i, cut.rows(buf, rows), cut.of(t, src, a, a + n))
+            out += [(i, cut.rows(buf, rows), cut.of(t, src, a, a + n))
                     for i, (buf, t, cut) in enumerate(zip(bufs, tensors, cuts))]
         if peer == self.rank:
             for dst, src in _ends(lay.prefix, lay.suffix, lay.full_len, lay.local_len(peer)):
-                out += [(i, i, cut.rows(buf, dst), cut.of(t, src, a, a + n))
+                out += [(i, cut.rows(buf, dst), cut.of(t, src, a, a + n))
                         for i, (buf, t, cut) in enumerate(zip(bufs, tensors, cuts))]
         return out
 
@@ -165,7 +165,8 @@ class Exchange:
         """Every copy of an exchange into ``dsts`` from the ranks' ``posted`` tensors as 2-D copies, by rank
         (:func:`~.group.planned`), made once per geometry: the copies' places relative to each tensor's first element
         depend on the shapes and strides alone, the same for every block of a forward and every forward of its shapes.
-        ``copies(peer, tensors)``: (destination index, source index, destination view, source view) of one rank's.
+        ``copies(peer, tensors)``: (index of the destination and of the source, destination view, source view) of one
+        rank's.
         None where the group copies otherwise or a copy is not a 2-D copy."""
         if getattr(self.group, "copy_2d", None) is None:
             return None
@@ -229,13 +230,13 @@ class Exchange:
             copies = self._tokens_copies(peer, back[peer][0][0], out, part, parts)
             if copies:
                 copy = self.group.puller(self.rank, peer, back, self.recv)
-                for _, _, dst, src in copies:
+                for _, dst, src in copies:
                     copy(dst, src)
                 finish(copy)
         return out
 
     def _tokens_copies(self, peer: int, op, out, part: int, parts: int) -> list:
-        """The copies of :meth:`to_tokens` from ``peer``'s output ``op``: (0, 0, destination view, source view)."""
+        """The copies of :meth:`to_tokens` from ``peer``'s output ``op``: (0, destination view, source view)."""
         lay, g = self.layout, self.g
         p, sfx, full = lay.prefix, lay.suffix, lay.full_len
         s0, sc = lay.shards[self.rank]
@@ -246,7 +247,7 @@ class Exchange:
         heads = slice(g * (pa + pl), g * (pa + pl + pn))
         out_rows = [(out[:, p:p + sc, heads], op[:, p + s0:p + s0 + sc])] if sc else []
         out_rows += [(out[:, dst_rows, heads], op[:, src_rows]) for src_rows, dst_rows in _ends(p, sfx, full, out.shape[1])]
-        return [(0, 0, dst, src) for dst, src in out_rows]
+        return [(0, dst, src) for dst, src in out_rows]
 
     def done(self, out):
         """``out``, once the copies into it are done (the compute stream waits for them)."""

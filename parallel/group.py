@@ -139,7 +139,7 @@ class Group:
                 continue
             tensors, ready, send = posted[peer]
             sptr = [t.data_ptr() for t in tensors]
-            copies = [(dptr[i] + do, dp, sptr[j] + so, sp, w, h) for i, j, do, dp, so, sp, w, h in entries]
+            copies = [(dptr[i] + do, dp, sptr[i] + so, sp, w, h) for i, do, dp, so, sp, w, h in entries]
             if send is None:  # CPU ranks (tests)
                 _run_2d(fn, copies, None)
                 continue
@@ -420,21 +420,21 @@ def _run_2d(fn, copies, stream) -> None:
 
 
 def planned(copies: list, dsts: list, sources: list):
-    """An exchange's copies as 2-D copies: ``copies[peer]``, (destination index, source index, destination view,
-    source view) of every copy from that rank's tensors ``sources[peer]`` into ``dsts``, become by rank a tuple of
-    (destination index, source index, destination byte offset, pitch, source byte offset, pitch, width, height), each
-    offset from its tensor's first element (:func:`pitched_plan`); None where a copy is not a 2-D copy."""
+    """An exchange's copies as 2-D copies: ``copies[peer]``, (index ``i``, destination view, source view) of every copy
+    from that rank's tensor ``sources[peer][i]`` into ``dsts[i]``, become by rank a tuple of (index, destination byte
+    offset, pitch, source byte offset, pitch, width, height), each offset from its tensor's first element
+    (:func:`pitched_plan`); None where a copy is not a 2-D copy."""
     plan = []
     for peer, rank_copies in enumerate(copies):
         entries = []
-        for i, j, dst, src in rank_copies:
+        for i, dst, src in rank_copies:
             if dst.numel() == 0 and dst.shape == src.shape:  # nothing to copy (a rank with no heads)
                 continue
             p = pitched_plan(dst, src)
             if p is None:
                 return None
-            db, sb = dst.data_ptr() - dsts[i].data_ptr(), src.data_ptr() - sources[peer][j].data_ptr()
-            entries += [(i, j, db + do, dp, sb + so, sp, w, h) for do, dp, so, sp, w, h in p]
+            db, sb = dst.data_ptr() - dsts[i].data_ptr(), src.data_ptr() - sources[peer][i].data_ptr()
+            entries += [(i, db + do, dp, sb + so, sp, w, h) for do, dp, so, sp, w, h in p]
         plan.append(_joined(entries))
     return tuple(plan)
 
@@ -457,14 +457,14 @@ def _joined(entries: list) -> tuple:
 def _join(a: tuple, b: tuple):
     """One copy for copy ``a`` and then copy ``b`` where ``b`` goes on where ``a`` ends, in both tensors: its next
     rows, or the next bytes of each of its rows (heads first: a head's text tokens, then its share); None otherwise."""
-    i, j, do, dp, so, sp, w, h = a
-    i2, j2, do2, dp2, so2, sp2, w2, h2 = b
-    if (i, j, dp, sp) != (i2, j2, dp2, sp2):
+    i, do, dp, so, sp, w, h = a
+    i2, do2, dp2, so2, sp2, w2, h2 = b
+    if (i, dp, sp) != (i2, dp2, sp2):
         return None
     if w == w2 and do2 == do + h * dp and so2 == so + h * sp:
-        return i, j, do, dp, so, sp, w, h + h2
+        return i, do, dp, so, sp, w, h + h2
     if h == h2 and do2 == do + w and so2 == so + w and w + w2 <= min(dp, sp):
-        return i, j, do, dp, so, sp, w + w2, h
+        return i, do, dp, so, sp, w + w2, h
     return None
 
 

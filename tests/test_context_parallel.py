@@ -162,7 +162,7 @@ def test_a_plan_makes_one_copy_of_copies_that_continue_one_another(heads_first):
         plan = G.planned([own if p == rank else [] for p in range(2)], bufs, [(t,), (t,)])
         assert len(plan[rank]) == copies
         want = torch.zeros_like(bufs[0])
-        for _, _, dst, src in ex._heads_copies(rank, (t,), [want], (cut,), 0, 3):
+        for _, dst, src in ex._heads_copies(rank, (t,), [want], (cut,), 0, 3):
             dst.copy_(src)
         bufs[0].zero_()
         group.run_plan(rank, [((t,), None, None)] * 2, plan, bufs, None, None)
