@@ -412,11 +412,14 @@ def _peer_access(src, dst, stream) -> None:
         _PEERS.add(pair)
 
 
-def _run_2d(fn, copies, stream) -> None:
+def _run_2d(fn, copies, stream, what: str = "") -> None:
+    """``fn(dst, dpitch, src, spitch, width, height, stream)`` for each of ``copies``; a clear error where one fails
+    (``what``: the copy it was part of)."""
     for c in copies:
         err = fn(*c, stream)
         if err:
-            raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err}): {c[5]} rows of {c[4]} bytes")
+            raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err}) copying "
+                               f"{what or f'{c[5]} rows of {c[4]} bytes'}")
 
 
 def planned(copies: list, dsts: list, sources: list):
@@ -474,13 +477,10 @@ def _copy_2d(fn, dst, src, plan, stream) -> None:
     PyTorch then enables the source device's access to the destination's memory (peer access), which the 2-D copy
     uses."""
     _peer_access(src.device, dst.device, stream)
-    d, s, h = dst.data_ptr(), src.data_ptr(), stream.cuda_stream
+    d, s = dst.data_ptr(), src.data_ptr()
     with torch.cuda.device(stream.device):
-        for doff, dp, soff, sp, w, rows in plan:
-            err = fn(d + doff, dp, s + soff, sp, w, rows, h)
-            if err:
-                raise RuntimeError(f"cudaMemcpy2DAsync failed (CUDA error {err}) copying {tuple(src.shape)} "
-                                   f"{src.device} -> {dst.device}")
+        _run_2d(fn, [(d + doff, dp, s + soff, sp, w, rows) for doff, dp, soff, sp, w, rows in plan], stream.cuda_stream,
+                f"{tuple(src.shape)} {src.device} -> {dst.device}")
 
 
 def split(total: int, parts: int, align: int = 1) -> list[tuple[int, int]]:
