@@ -105,6 +105,7 @@ class Exchange:
         self.kv = tuple(split(kv_heads, group.size))  # (start, count) of every rank's key/value heads
         self.recv = group.receiving(rank)  # None off CUDA
         self.compute = None  # the rank's compute stream, once known (CUDA)
+        self.direct = False  # the output's copies land on the compute stream (one part), not on the receive stream
 
     @property
     def mine(self) -> tuple[int, int]:
@@ -121,23 +122,27 @@ class Exchange:
         """Empty tensors for every token of ``kv_heads`` of this rank's key/value heads, one per tensor of ``tensors``."""
         return [cut.buffer(t, self.layout.full_len, kv_heads) for t, cut in zip(tensors, cuts)]
 
-    def send(self, tensors: tuple) -> list:
-        """Post ``tensors`` (this rank's tokens, every head); once every rank has: every rank's posting."""
+    def send(self, tensors: tuple, direct: bool = False) -> list:
+        """Post ``tensors`` (this rank's tokens, every head); once every rank has: every rank's posting.  ``direct``:
+        what is pulled next lands in order on the compute stream, not on the receive stream."""
         if self.recv is not None:
             self.compute = torch.cuda.current_stream(tensors[0].device)
-            self.group.after(self.rank, self.recv, self.compute)  # the buffers were made on the compute stream
+            if not direct:
+                self.group.after(self.rank, self.recv, self.compute)  # the buffers were made on the compute stream
         return self.group.post(self.rank, tensors)
 
-    def pull(self, posted: list, bufs: list, cuts: tuple, lo: int, n: int) -> None:
+    def pull(self, posted: list, bufs: list, cuts: tuple, lo: int, n: int, direct: bool = False) -> None:
         """Every rank's tokens of this rank's key/value heads ``lo`` to ``lo + n`` (from its first) into ``bufs``, the
-        tokens held whole from this rank's own copy."""
+        tokens held whole from this rank's own copy; ordered before the receive stream's later work (``direct``: the
+        compute stream's)."""
+        stream = self.compute if direct else self.recv
         plan = self._plan(("heads", cuts, lo, n), posted, bufs,
                           lambda peer, tensors: self._heads_copies(peer, tensors, bufs, cuts, lo, n))
         if plan is not None:
-            self.group.run_plan(self.rank, posted, plan, bufs, self.recv, self.compute)
+            self.group.run_plan(self.rank, posted, plan, bufs, stream, self.compute)
             return
         for peer in range(self.group.size):
-            self.pull_from(peer, posted[peer][0], self.group.puller(self.rank, peer, posted, self.recv), bufs, cuts,
+            self.pull_from(peer, posted[peer][0], self.group.puller(self.rank, peer, posted, stream), bufs, cuts,
                            lo, n)
 
     def pull_from(self, peer: int, tensors: tuple, copy, bufs: list, cuts: tuple, lo: int, n: int) -> None:
@@ -185,14 +190,17 @@ class Exchange:
         """``tensors`` exchanged (one rendezvous) in ``parts`` of this rank's key/value heads ((start, count) within
         them): per part, its buffers (:meth:`buffers`, filled on the receive stream) and the event of their arrival
         (None off CUDA)."""
+        # one part: its copies land on the compute stream, whose next work (the kernel) waits for them anyway (several:
+        # on the receive stream, each part's arrival an event, so the kernel runs on one while the next arrives)
+        direct = DIRECT and len(parts) == 1
         bufs = [self.buffers(tensors, cuts, n) for _, n in parts]
-        posted = self.send(tensors)
+        posted = self.send(tensors, direct)
         arrived = []
         for (lo, n), pbufs in zip(parts, bufs):
             if n:
-                self.pull(posted, pbufs, cuts, lo, n)
+                self.pull(posted, pbufs, cuts, lo, n, direct)
             arrived.append(self.group.mark(self.rank, ("arrived", len(arrived)), self.recv)
-                           if self.recv is not None else None)
+                           if self.recv is not None and not direct else None)
         return list(zip(bufs, arrived))
 
     def receive(self, received: list, i: int) -> list:
@@ -215,21 +223,24 @@ class Exchange:
         """The kernel's output ``of`` (``[B, L, h, Dv]``: every token, this rank's heads, or part ``part`` of ``parts``
         of them) to every rank, and every rank's into ``out`` (``[B, L_r, H, Dv]``: this rank's tokens, every head; None:
         made here, on the first part); returns ``out``."""
+        # one part: the copies land on the compute stream (several: on the receive stream, which :meth:`done` waits for)
+        self.direct = DIRECT and parts == 1
+        stream = self.compute if self.direct else self.recv
         if out is None:
             out = torch.empty(of.shape[0], self.layout.local_len(self.rank), self.heads, of.shape[3], dtype=of.dtype,
                               device=of.device)
-            if self.recv is not None:
+            if self.recv is not None and not self.direct:
                 self.group.after(self.rank, self.recv, self.compute)  # ``out`` was made on the compute stream
         back = self.group.post(self.rank, (of,))
         plan = self._plan(("tokens", part, parts), back, [out],
                           lambda peer, tensors: self._tokens_copies(peer, tensors[0], out, part, parts))
         if plan is not None:
-            self.group.run_plan(self.rank, back, plan, [out], self.recv, self.compute)
+            self.group.run_plan(self.rank, back, plan, [out], stream, self.compute)
             return out
         for peer in range(self.group.size):
             copies = self._tokens_copies(peer, back[peer][0][0], out, part, parts)
             if copies:
-                copy = self.group.puller(self.rank, peer, back, self.recv)
+                copy = self.group.puller(self.rank, peer, back, stream)
                 for _, dst, src in copies:
                     copy(dst, src)
                 finish(copy)
@@ -251,10 +262,15 @@ class Exchange:
 
     def done(self, out):
         """``out``, once the copies into it are done (the compute stream waits for them)."""
-        if self.recv is not None:
+        if self.recv is not None and not self.direct:
             self.group.after(self.rank, self.compute, self.recv)
         return out
 
+
+# An exchanged call sent in one part has its copies land in order on the compute stream, which its kernel runs on next
+# (False: on the receive stream, with an event for the kernel to wait for: the exchange before, kept to measure
+# against; several parts always arrive on the receive stream).
+DIRECT = True
 
 _PLANS: dict = {}  # an exchange's geometry -> its 2-D copies by rank (Exchange._plan)
 _UNPLANNED = object()

@@ -118,8 +118,24 @@ def _mark(v, ctx, topts):
     return walk(v, fn)
 
 
-def _unmark(v, ctx, topts):
-    return walk(v, lambda x: ctx if x is CTX else topts if x is TOPTS else DEEPER)
+def _binder(v):
+    """``fn(ctx, topts)``: the marked ``v`` (:func:`_mark`) with ``ctx`` and ``topts`` in place of the marks, by a
+    function built once (a replay calls it at every island): containers with a mark inside are made again at each call,
+    in their order, the rest is ``v``'s own; None where ``v`` holds no mark."""
+    if v is CTX:
+        return lambda ctx, topts: ctx
+    if v is TOPTS:
+        return lambda ctx, topts: topts
+    if isinstance(v, dict):
+        items = [(k, _binder(x), x) for k, x in v.items()]
+        if any(b is not None for _, b, _ in items):
+            return lambda ctx, topts: {k: x if b is None else b(ctx, topts) for k, b, x in items}
+    elif isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        parts = [(_binder(x), x) for x in v]
+        if any(b is not None for b, _ in parts):
+            kind = type(v)
+            return lambda ctx, topts: kind(x if b is None else b(ctx, topts) for b, x in parts)
+    return None
 
 
 def _alias(t: torch.Tensor) -> torch.Tensor:
@@ -152,7 +168,7 @@ class Pieces:
         self.cuda = self.device.type == "cuda"
         self.graph_type = graph_type or torch.cuda.CUDAGraph
         self.graphs = []
-        self.islands = []  # (fn, marked args, marked kwargs, context fields, topts writes, recorded output)
+        self.islands = []  # (fn, its arguments' binder (:func:`_binder`), context fields, topts writes, recorded output)
         self.static = []  # the recorded forward's input tensors, which every replay fills
         self.out = None
         self.final = None  # (context fields, topts writes) at the forward's end
@@ -216,7 +232,10 @@ class Pieces:
                 if stage is None:
                     stage = self._staging[(out.shape, out.dtype)] = torch.empty_like(out)
                 stage.copy_(out)
-        self.islands.append((fn, args, kwargs, fields, writes, out if stage is None else stage))
+        bind = _binder((args, kwargs))
+        if bind is None:
+            bind = (lambda v: lambda ctx, topts: v)((args, kwargs))
+        self.islands.append((fn, bind, fields, writes, out if stage is None else stage))
         self._begin()
         return out if stage is None else stage.clone()
 
@@ -300,12 +319,13 @@ class Pieces:
         context and ``transformer_options`` are ``ctx`` and ``topts``; its output (a copy)."""
         for s, t in zip(self.static, tensors):
             s.copy_(t)
-        for g, (fn, args, kwargs, fields, writes, out) in zip(self.graphs, self.islands):
+        for g, (fn, bind, fields, writes, out) in zip(self.graphs, self.islands):
             g.replay()
             for k, v in fields.items():
                 setattr(ctx, k, v)
             topts.update(writes)
-            _copy_into(out, fn(*_unmark(args, ctx, topts), **_unmark(kwargs, ctx, topts)))
+            args, kwargs = bind(ctx, topts)
+            _copy_into(out, fn(*args, **kwargs))
             ctx.group.settle(ctx.rank)
         self.graphs[-1].replay()
         fields, writes = self.final

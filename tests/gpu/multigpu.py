@@ -12,7 +12,8 @@ GPU's share of the tokens a multiple of 128, the last one's the rest), ``cp-unst
 at the attention call, not one by one as the model makes them), ``cp-narrow`` (a GPU's own share of the heads copied
 element by element, not as 8-byte words), ``cp-views`` (q, k and v of ComfyUI's skip_reshape calls, Flux's,
 exchanged as ``[B, L, H, D]`` views, not heads first: the exchange before), ``cp-unplanned`` (every copy of an
-exchange made by itself, not run from its plan of 2-D copies), ``cp-simN`` (N ranks simulated on the first GPU,
+exchange made by itself, not run from its plan of 2-D copies), ``cp-recv`` (an exchanged call's copies land on the
+receive stream, with an event the kernel waits for, not on the compute stream: the exchange before), ``cp-simN`` (N ranks simulated on the first GPU,
 sharing its model: a split's host work measured on one GPU), ``-gN`` (Context Parallel over the first N GPUs only: 2 of 4 in the run
 that has 4), ``-easycacheN`` / ``-lazycacheN`` on any mode
 (ComfyUI's EasyCache or LazyCache node after the multi-GPU node, threshold N/100; compared with the one-GPU row with the
@@ -105,7 +106,7 @@ def with_copies(model, extra):
 
 
 MIN_TOKENS = [None]  # --min-tokens (None: the node's own limit)
-MODIFIERS = re.compile(r"-sim\d+|-eager|-views|-unplanned|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
+MODIFIERS = re.compile(r"-sim\d+|-eager|-views|-unplanned|-recv|-flat|-unstaged|-narrow|-compile|-easycache\d+|-lazycache\d+|-a\d+|-sw\d+|-g\d+")  # after the mode
 SAME_RUN = re.compile(r"-compile|-easycache\d+|-lazycache\d+")  # what a row's one-GPU baseline has too
 
 
@@ -355,7 +356,8 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
     times = {row: ([], []) for row in rows}
     uly = importlib.import_module(pack.__name__ + ".parallel.ulysses")
     grp = importlib.import_module(pack.__name__ + ".parallel.group")
-    rule, switch, heads_first = uly.PIPELINE_PARTS, sys.getswitchinterval(), uly.HEADS_FIRST
+    exm = importlib.import_module(pack.__name__ + ".parallel.exchange")
+    rule, switch, heads_first, direct = uly.PIPELINE_PARTS, sys.getswitchinterval(), uly.HEADS_FIRST, exm.DIRECT
     exchange = {name: getattr(grp, name) for name in ("PITCHED", "ALIGN", "STAGED", "WORDS", "PLANNED")}  # put back
     for rnd, row in ((i, row) for i in range(rounds) for row in rows):
         r = out[row]
@@ -367,6 +369,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
         grp.PITCHED = "-flat" not in mods
         grp.PLANNED = exchange["PLANNED"] and "-unplanned" not in mods
         uly.HEADS_FIRST = heads_first and "-views" not in mods
+        exm.DIRECT = direct and "-recv" not in mods
         grp.STAGED = "-unstaged" not in mods
         grp.WORDS = "-narrow" not in mods
         cpn.GRAPHS = "-eager" not in mods
@@ -405,7 +408,7 @@ def run_rows(pack, e2e, cpn, job, extra, rows, say, profile_rows=(), rounds: int
 
             r["error"] = f"{type(e).__name__}: {e}"[:400]
             r["trace"] = traceback.format_exc()[-3000:]
-        uly.PIPELINE_PARTS = rule
+        uly.PIPELINE_PARTS, uly.HEADS_FIRST, exm.DIRECT = rule, heads_first, direct
         for name, value in exchange.items():
             setattr(grp, name, value)
         cpn.GRAPHS = True

@@ -109,8 +109,9 @@
 #   multigpu-floor-node  the same sizes and Flux 1024² with the node's own floor: which it splits, and what that gives
 #   multigpu-graphs split forwards replayed as CUDA graphs (~6 min): Flux.1 dev 1024² and Qwen-Image 1328² at CFG 1, every
 #                  forward split (cp: graphs, cp-eager: none) against one GPU; GRAPHS_PRESETS as FLOOR_PRESETS
-#   multigpu-exchange the exchange as it is (heads first, from its plan) against the exchange before (views, copy by
-#                  copy): Flux.1 dev 1024², every forward split, unpatched / auto / auto_exact, 3 rounds (~3 min)
+#   multigpu-exchange the exchange as it is against the exchange before (EXCHANGE_BEFORE, a row's mode: cp-recv, the
+#                  default, or cp-views-unplanned, ...): Flux.1 dev 1024², every forward split, unpatched / auto /
+#                  auto_exact, 3 rounds (~3 min)
 #   multigpu-caches ComfyUI's EasyCache and LazyCache (threshold CACHE_THRESHOLD/100, default 20) after the node, Wan 2.1
 #                  1.3B 480p/81f, 10 steps, CFG 1 (CACHE_PRESET, CACHE_STEPS, CACHE_BACKEND): does the ratio multiply?
 #   multigpu-smoke the same on Wan 1.3B 33 frames, three rows: does a split run at all on these GPUs
@@ -488,9 +489,9 @@ stage_multigpu-graphs() {  # CUDA graphs of split forwards against the eager spl
   done
   return $status
 }
-stage_multigpu-exchange() {  # heads first and from a plan against views copy by copy, Flux every forward split
-  local r rows=""
-  for r in unpatched auto auto_exact; do rows="$rows,1:$r,cp:$r,cp-views-unplanned:$r"; done
+stage_multigpu-exchange() {  # the exchange as it is against EXCHANGE_BEFORE's (a row mode), Flux every forward split
+  local r rows="" before=${EXCHANGE_BEFORE:-cp-recv}
+  for r in unpatched auto auto_exact; do rows="$rows,1:$r,cp:$r,$before:$r"; done
   GRAPHS_PRESETS=flux-dev=${EXCHANGE_LIMIT:-240} GRAPHS_ROUNDS=${EXCHANGE_ROUNDS:-3} GRAPHS_ROWS=${rows#,} \
     stage_multigpu-graphs
 }
