@@ -83,6 +83,8 @@ MODEL_PRESETS = {
                                "Wan 2.1 14B t2v, 480p, 17 frames, CFG batch"),
     "wan-14b-9f": ModelPreset("WAN21_T2V", WAN_14B, (1, 16, 3, 60, 104), (1, 512, 4096), None, 5.0,
                               "Wan 2.1 14B t2v, 480p, 9 frames, CFG batch"),
+    "flux-dev-768": ModelPreset("Flux", FLUX_DEV, (1, 16, 96, 96), (1, 512, 4096), 768, 1.0,
+                                "Flux-dev, 768x768, guidance 3.5"),
     "flux-dev-1536": ModelPreset("Flux", FLUX_DEV, (1, 16, 192, 192), (1, 512, 4096), 768, 1.0,
                                  "Flux-dev, 1536x1536, guidance 3.5"),
     "qwen-image-1664": ModelPreset("QwenImage", QWEN_IMAGE, (1, 16, 1, 208, 208), (1, 256, 3584), None, 1.0,

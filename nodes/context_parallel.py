@@ -43,7 +43,7 @@ import torch
 from ..parallel import ulysses as ulysses_mod
 from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
-from ..parallel.graphs import Pieces, signature
+from ..parallel.graphs import NotResident, Pieces, Residency, signature
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
 from ..parallel.work import Work
@@ -221,11 +221,10 @@ class ContextParallel:
 
     def graphs_possible(self, patcher) -> bool:
         """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
-        weights' place is known once it is loaded: :func:`graphs_off`)."""
-        dynamic = getattr(patcher, "is_dynamic", None)
+        weights' place is known once it is loaded: :func:`graphs_off`, and under ComfyUI's dynamic VRAM at each
+        forward: :class:`GraphWrapper`)."""
         device = getattr(patcher, "load_device", None)
-        return (self.graphs and self.unit.graphs and getattr(device, "type", None) == "cuda"
-                and not (dynamic is not None and dynamic()))
+        return self.graphs and self.unit.graphs and getattr(device, "type", None) == "cuda"
 
     def steps(self, dm) -> tuple[str, str]:
         """Which steps of ``dm`` split, for the node's note: (which steps, what changes that), e.g. ("each step of
@@ -485,6 +484,13 @@ class SplitForwardWrapper(_Wrapper):
             and (run.split_shapes[shapes] or 0) < GRAPHS_BELOW_TFLOP
         try:
             out, ctx = self._split(run, ranks, floor, dm, call, shapes if graphs else None)
+        except NotResident as e:  # no graph can rely on where the weights are: the rest of the run without them
+            with cp._lock:
+                run.graphs = False
+                run.pieces.clear()
+            cp.say("graphs-moved", f"{e}: the rest of the run without CUDA graphs (short steps may then stay on one GPU)")
+            graphs = False
+            out, ctx = self._split(run, ranks, floor, dm, call, None)
         except Exception as e:
             if not graphs or type(e).__name__ == "InterruptProcessingException":
                 raise
@@ -599,8 +605,9 @@ class SplitForwardWrapper(_Wrapper):
 def graphs_off(cp, groups, grad: bool = False) -> str:
     """Why the split forwards of a run on ``groups`` cannot replay as CUDA graphs ("": they can): the node's setting,
     the model's family, devices other than CUDA GPUs (tests give a stand-in graph), or weights that move during the
-    run (ComfyUI offloading part of a model, or its dynamic VRAM, which faults weights in per call: a graph replays the
-    addresses it recorded)."""
+    run (ComfyUI's estimate-based loader offloading part of a model: a graph replays the addresses it recorded).  Under
+    ComfyUI's dynamic VRAM each forward holds the weights where its graphs read them, or runs without graphs
+    (:class:`GraphWrapper`)."""
     if not cp.graphs:
         return "off"
     if not cp.unit.graphs:
@@ -613,15 +620,18 @@ def graphs_off(cp, groups, grad: bool = False) -> str:
         for _, m in g:
             if getattr(m, "model_lowvram", False):
                 return "ComfyUI keeps part of the model's weights off the GPU"
-            if getattr(m, "dynamic_vbars", None):
-                return "ComfyUI's dynamic VRAM loads the weights as they are used"
     return ""
 
 
 class GraphWrapper:
     """DIFFUSION_MODEL wrapper, innermost, of one GPU's share of a forward that replays as CUDA graphs: records the
     diffusion model's forward at the first call of its arguments' shapes in the run, replays it from then on
-    (:class:`~..parallel.graphs.Pieces`; ``store``: the run's)."""
+    (:class:`~..parallel.graphs.Pieces`; ``store``: the run's).
+
+    Weights in ComfyUI's dynamic VRAM (comfy-aimdo maps them to GPU memory as they are used, and may take the memory
+    back between uses) are held on the GPU for the recording and each replay, and a replay runs only where they are the
+    pages its recording read (:class:`~..parallel.graphs.Residency`; every GPU or none); otherwise
+    :class:`~..parallel.graphs.NotResident`, and the node runs the rest of the run without graphs."""
 
     def __init__(self, store: dict, shapes, device, graph_type=None):
         self.store, self.shapes, self.device, self.graph_type = store, shapes, device, graph_type
@@ -634,15 +644,39 @@ class GraphWrapper:
         # where the weights are: ComfyUI may put other tensors in their place during a run (hooks that patch weights
         # per step), and a graph would read the ones it recorded
         pieces = self.store.get(k)
-        if pieces is not None and _weights(pieces.modules) == pieces.weights:
-            return pieces.replay(tensors, ctx, topts)
-        pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type)
+        if pieces is not None and _weights(pieces.modules) != pieces.weights:
+            pieces = None
         module = executor.class_obj
-        pieces.modules = list(module.modules()) if isinstance(module, torch.nn.Module) else []
-        out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
-        pieces.weights = _weights(pieces.modules)
-        self.store[k] = pieces
-        return out
+        modules = pieces.modules if pieces is not None else \
+            list(module.modules()) if isinstance(module, torch.nn.Module) else []
+        resident = self._residency(module, modules)
+        # weights in ComfyUI's dynamic VRAM: held where the graphs read them, or no graphs
+        held = resident.pin() if resident is not None else None
+        try:
+            if resident is not None:
+                moved = held is None or (pieces is not None and pieces.resident != held)
+                if ctx.any(moved):  # every GPU replays, or none does
+                    raise NotResident("ComfyUI's dynamic VRAM moved or could not hold the model's weights on a GPU")
+            if pieces is not None:
+                return pieces.replay(tensors, ctx, topts)
+            pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type)
+            pieces.modules = modules
+            out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
+            pieces.weights, pieces.resident = _weights(modules), held
+            self.store[k] = pieces
+            return out
+        finally:
+            if held is not None:
+                resident.unpin()
+
+    def _residency(self, module, modules: list):
+        """``module``'s :class:`~..parallel.graphs.Residency` (None: no weights in dynamic VRAM), found once per
+        run."""
+        key = ("residency", id(module))
+        if key not in self.store:
+            r = Residency(modules)
+            self.store[key] = r if r.runs else None
+        return self.store[key]
 
 
 def _weights(modules: list) -> tuple:
@@ -786,7 +820,7 @@ class OneGpuNotice(SharedWrapper):
 # Wan's blocks make two, self-attention (exchanged) and cross-attention (not: counted as half a call), so Wan 2.1 1.3B
 # at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2).
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
-MOVED = " where ComfyUI's dynamic VRAM or offloading moves the weights"
+MOVED = " where ComfyUI offloads part of the weights"
 
 # Split forwards of the families that offer it (Unit.graphs) replay as CUDA graphs (ContextParallel(graphs=) overrides),
 # those with less work per block than this (TFLOP): above it a split keeps the GPUs busy without them. Wan 2.1 1.3B

@@ -35,6 +35,51 @@ from torch.multiprocessing.reductions import StorageWeakRef
 _SNAPSHOT = ("layout", "_layout", "others", "whole_queries", "masks", "split", "why", "by_shapes", "state")
 
 
+class NotResident(Exception):
+    """A forward's weights in ComfyUI's dynamic VRAM are not all on the GPU where its graphs recorded them (the message
+    says why): it runs without graphs."""
+
+
+class Residency:
+    """The weights a forward reads from ComfyUI's dynamic VRAM (comfy-aimdo: each module's weights a range of a virtual
+    address space, ``module._v`` = (its space, address, bytes), whose 32-MiB pages are mapped to GPU memory while in use
+    and may be taken back between uses), as a few contiguous ranges.
+
+    :meth:`pin` maps and holds every range and returns their signature, which tells whether each page is the one mapped
+    before (ComfyUI's own graphs of a block check the same: comfy/model_prefetch.py); :meth:`unpin` lets them go.  A
+    graph recorded under one signature may replay under the same: its weights are where it read them."""
+
+    GAP = 512  # bytes: comfy-aimdo aligns each module's range to this
+
+    def __init__(self, modules):
+        spans = sorted(((v[0], v[1], v[1] + v[2]) for m in modules if (v := getattr(m, "_v", None)) is not None),
+                       key=lambda x: (id(x[0]), x[1]))
+        runs = []
+        for space, a, b in spans:
+            if runs and runs[-1][0] is space and a <= runs[-1][2] + self.GAP:
+                runs[-1][2] = max(runs[-1][2], b)
+            else:
+                runs.append([space, a, b])
+        self.runs = [(space, a, b - a) for space, a, b in runs]
+
+    def pin(self):
+        """Every range mapped and held: their signature (bytes per range), or None where one could not be mapped (no
+        memory left for it; none is held then)."""
+        out = []
+        for i, (space, a, n) in enumerate(self.runs):
+            sig = space.fault(a, n)
+            if sig is None:
+                self.unpin(i)
+                return None
+            out.append(bytes(sig))
+        return tuple(out)
+
+    def unpin(self, upto: int | None = None) -> None:
+        """The ranges held by :meth:`pin` (the first ``upto``) let go."""
+        for space, a, n in self.runs[:upto]:
+            space.unpin(a, n)
+
+
 class Unkeyable(Exception):
     """A forward's arguments hold something a replay could not take from the next forward (the message says what)."""
 

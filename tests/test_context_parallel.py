@@ -988,7 +988,7 @@ def test_the_node_says_on_the_canvas_why_it_does_not_split_here(node_on, monkeyp
         work = importlib.import_module(mod.__name__ + ".parallel.families").unit_for(dm).work(dm)
         a, b, c = (work.tokens_for(cpn.SPLIT_TFLOP[k]) for k in ("graphs-comfyui", "graphs-pack", "pack"))
         # Flux replays its split forwards as CUDA graphs: their floors, and the highest where the weights move
-        moved = f"{c:,} or more where ComfyUI's dynamic VRAM or offloading moves the weights"
+        moved = f"{c:,} or more where ComfyUI offloads part of the weights"
         steps = (f"each step of {a:,} tokens or more split over 2 GPUs ({b:,} or more with Patch Attention's kernels; "
                  f"{moved})" if cpn._host_attention()[0] == "comfyui"
                  else f"each step of {b:,} tokens or more split over 2 GPUs ({moved})")

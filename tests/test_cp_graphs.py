@@ -9,6 +9,7 @@ islands are what is tested -- which work a replay skips, what it runs again, wit
 from __future__ import annotations
 
 import copy
+import ctypes
 import importlib
 import logging
 import threading
@@ -255,8 +256,8 @@ class _Model:
 
 @pytest.mark.comfyui
 def test_weights_that_move_during_a_run_keep_it_eager(zoo):
-    """A graph replays the addresses it recorded: a model ComfyUI partly offloads, or loads per call (dynamic VRAM),
-    runs without graphs, and so does a family that does not offer them."""
+    """A graph replays the addresses it recorded: a model ComfyUI's estimate-based loader partly offloads runs without
+    graphs, and so does a family that does not offer them; dynamic VRAM is checked forward by forward."""
     z, mod, _ = zoo
     node = _node(mod)
     base, _ = _build(z, "Flux", None)
@@ -269,10 +270,81 @@ def test_weights_that_move_during_a_run_keep_it_eager(zoo):
 
     assert why(_Model()) == ""
     assert "part of the model's weights" in why(_Model(model_lowvram=True))
-    assert "dynamic VRAM" in why(_Model(dynamic_vbars={cuda[0]: object()}))
+    assert why(_Model(dynamic_vbars={cuda[0]: object()})) == ""  # checked at each forward (below)
     assert why(_Model(), devices=[torch.device("cpu")] * 2, graph_type=None) == "not on CUDA GPUs"
     cp.graphs = False
     assert why(_Model()) == "off"
     families = importlib.import_module(mod.__name__ + ".parallel.families")
     vace = node.ContextParallel(families.BY_CLASS["VaceWanModel"])
     assert "not replayed as graphs" in node.graphs_off(vace, [[(d, _Model()) for d in cuda]])
+
+
+class _Space:
+    """comfy-aimdo's virtual address space of a model's weights, as the node uses it: ranges held (``fault``, with the
+    signature of their pages) and let go (``unpin``).  ``move_at``: the fault from which its pages are other pages (the
+    memory was taken back and mapped again); ``full``: no memory to map them (``fault`` gives None)."""
+
+    def __init__(self, move_at=None, full=False):
+        self.move_at, self.full = move_at, full
+        self.faults = self.pins = 0
+        self.lock = threading.Lock()
+
+    def fault(self, addr, size):
+        if self.full:
+            return None
+        with self.lock:  # every GPU's thread
+            self.faults += 1
+            self.pins += 1
+            moved = self.move_at is not None and self.faults >= self.move_at
+        return (ctypes.c_uint32 * 2)(int(moved), 7)
+
+    def unpin(self, addr, size):
+        with self.lock:
+            self.pins -= 1
+
+
+def _in_space(model, space):
+    """Every weight of ``model``'s diffusion model given a range of ``space``, as ComfyUI's dynamic VRAM does
+    (``module._v``: the space, an address, bytes; 512-byte aligned, one after the other)."""
+    addr = 1 << 20
+    for m in model.model.diffusion_model.modules():
+        w = getattr(m, "weight", None)
+        if isinstance(w, torch.Tensor):
+            n = w.numel() * w.element_size()
+            m._v = (space, addr, n)
+            addr += (n + 511) // 512 * 512
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3])
+@pytest.mark.parametrize("case", ["held", "moved", "full"])
+def test_dynamic_vram_weights_are_held_for_each_replay_or_the_run_goes_on_without_graphs(zoo, caplog, n, case):
+    """Under ComfyUI's dynamic VRAM a forward's weights are held where its graphs read them (every range in one piece)
+    for the recording and each replay, and let go after; where the pages are no longer those the recording read, or
+    cannot be mapped, every GPU runs that forward and the rest of the run without graphs, and the log says so.  The
+    latent is the eager split's either way."""
+    z, mod, _ = zoo
+    base, case_ = _build(z, "Flux", None)
+    eager = sample(z, graphed(mod, base, n, graphs=False), case_)
+    space = _Space(move_at=n + 1 if case == "moved" else None, full=case == "full")  # moved: at the first replay
+    m = graphed(mod, base, n)
+    _in_space(m, space)
+    try:
+        RecordedGraph.replays = 0
+        with caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
+            out = sample(z, m, case_)
+    finally:
+        for mm in base.model.diffusion_model.modules():
+            mm.__dict__.pop("_v", None)
+    assert torch.equal(out, eager)
+    assert space.pins == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    if case == "held":
+        assert space.faults == 3 * n  # the recorded forward and the two replayed, on every GPU: one range each
+        assert RecordedGraph.replays > 0 and "3 of them replayed as CUDA graphs" in said
+        assert "dynamic VRAM" not in said
+    else:  # moved: the recorded forward, then none; full: none recorded
+        assert RecordedGraph.replays == 0
+        assert ("1 of them replayed as CUDA graphs" in said) == (case == "moved")
+        assert "ComfyUI's dynamic VRAM moved or could not hold the model's weights on a GPU: the rest of the run " \
+               "without CUDA graphs" in said
