@@ -215,9 +215,14 @@ class ContextParallel:
             return {}
         kind, name = attention_of(topts)
         if graphs:  # per attention call: what a replay's host work grows with
-            return {"work": work, "min_tflop": SPLIT_TFLOP[f"graphs-{kind}"] * self.unit.calls_per_block,
+            return {"work": work, "min_tflop": self.tflop(f"graphs-{kind}") * self.unit.calls_per_block,
                     "attention": name}
-        return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
+        return {"work": work, "min_tflop": self.tflop(kind), "attention": name}
+
+    def tflop(self, kind: str) -> float:
+        """The work floor ``kind`` (a key of :data:`SPLIT_TFLOP`) for this node's family: its own where it has one
+        (``Unit.floors``)."""
+        return self.unit.floors.get(kind, SPLIT_TFLOP[kind])
 
     def graphs_possible(self, patcher) -> bool:
         """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
@@ -235,17 +240,18 @@ class ContextParallel:
         work = self.work(dm)
         if work is None:
             return "each step", ""
-        pack = work.tokens_for(SPLIT_TFLOP["pack"])
+        pack = work.tokens_for(self.tflop("pack"))
         if self.graphs and self.unit.graphs:  # replayed as CUDA graphs where the weights stay put
             calls = self.unit.calls_per_block
-            graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"] * calls)
-            if _host_attention()[0] != "comfyui":
+            graphs = work.tokens_for(self.tflop("graphs-pack") * calls)
+            comfy = work.tokens_for(self.tflop("graphs-comfyui") * calls)
+            if _host_attention()[0] != "comfyui" or comfy == graphs:
                 return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
-            return (f"each step of {work.tokens_for(SPLIT_TFLOP['graphs-comfyui'] * calls):,} tokens or more",
+            return (f"each step of {comfy:,} tokens or more",
                     f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
         if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
             return f"each step of {pack:,} tokens or more", ""
-        return (f"each step of {work.tokens_for(SPLIT_TFLOP['comfyui']):,} tokens or more",
+        return (f"each step of {work.tokens_for(self.tflop('comfyui')):,} tokens or more",
                 f" ({pack:,} or more with Patch Attention's kernels)")
 
     def whole_run(self, patcher, shape, conds: dict, topts: dict, cfg: float = 1.0) -> str:
@@ -816,9 +822,18 @@ class OneGpuNotice(SharedWrapper):
 #   Wan 2.1 1.3B 480p/33f       14,040     2.4        x1.64-1.70          -             x0.87-1.17
 #   Wan 2.1 14B 480p/17f         7,800     5.9        x1.76               -             x1.68
 #
+# and with the exchange as it is now (heads first, from its plan; 2026-11-28, Flux 1024² on two machines, the others on
+# one):
+#
+#   model, size                 tokens  TFLOP/block  ComfyUI's attention  auto, auto_exact  sage_fp8_sm90
+#   Flux.1 dev 768²              2,816     0.75       x0.95               x0.89, x0.98      x0.64
+#   Flux.1 dev 1024²             4,608     1.3        x1.54-1.56          x1.39-1.57        x1.13
+#   Wan 2.1 1.3B 480p/33f       14,040     2.4        x1.65               x0.85 (auto)      x0.96
+#
 # The floor is per attention call of a block (Unit.calls_per_block), each of which a replay still runs on the host:
 # Wan's blocks make two, self-attention (exchanged) and cross-attention (not: counted as half a call), so Wan 2.1 1.3B
-# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2).
+# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2). The host's work per call
+# differs by family: Flux's own floor for Patch Attention's kernels (Unit.floors) is ComfyUI's attention's, 1.2.
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI offloads part of the weights"
 
