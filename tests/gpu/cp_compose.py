@@ -159,6 +159,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="wan-1.3b-33f")
     ap.add_argument("--steps", type=int, default=2)
+    ap.add_argument("--inference", action="store_true",
+                    help="sample in inference mode, as ComfyUI does (with 4 steps or more, the split forwards of the "
+                         "families that offer it replay as CUDA graphs from the third)")
     ap.add_argument("--cases", default="lora-before,lora-after,patch-after,compile")
     ap.add_argument("--dynamic-vram", action="store_true",
                     help="ComfyUI's dynamic VRAM on before any model loads (the file cases only; the dynamic case needs it)")
@@ -203,7 +206,8 @@ def main(argv=None) -> int:
     plog.propagate = False
 
     def sample(m):
-        return e2e._sample(m, job, job.steps).float().cpu()
+        with torch.inference_mode(a.inference):  # as ComfyUI's executor samples: split forwards may replay as graphs
+            return e2e._sample(m, job, job.steps).float().cpu()
 
     def split(m):
         return cpn.context_parallel(MG.with_copies(m, copies), gpus=0, cfg_split=False, min_tokens=0)

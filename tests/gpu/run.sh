@@ -136,7 +136,8 @@
 #                  last torch.compile with TorchCompileModel's own guard filter (compile-node); 15 s before the limit
 #                  every thread's stack goes to cp-compose-stacks.txt (tests/gpu/cp_compose.py); cp-compose-dynamic:
 #                  the bf16 file and the GGUF one under ComfyUI's dynamic VRAM (a process of its own); CP_COMPOSE_STEPS
-#                  (default 2; 4 or more: split forwards replay as CUDA graphs from the third)
+#                  (default 2), CP_COMPOSE_INFERENCE=1 (sampled in inference mode, as ComfyUI does: with 4 steps or
+#                  more the split forwards replay as CUDA graphs from the third)
 #   cp-ltx         LTX-Video and LTX-2 split by the Context Parallel node (tests/gpu/cp_lightricks.py): 2-4 ranks on the
 #                  first GPU and over the GPUs there are, bf16 and fp32, unpatched and sdpa_math, against one GPU
 #   cp-hunyuan     context parallelism, HunyuanVideo 1.0/1.5 (tests/gpu/cp_hunyuan.py): the family's zoo configurations
@@ -576,7 +577,7 @@ stage_cp-compose() {  # Context Parallel with a LoRA before/after it, Patch Atte
 }
 stage_cp-compose-dynamic() {  # the file cases under ComfyUI's dynamic VRAM: switched on before any model loads
   timeout "${CP_COMPOSE_LIMIT:-300}" $PY tests/gpu/cp_compose.py --preset "${CP_COMPOSE_PRESET:-wan-1.3b-33f}" \
-    --steps "${CP_COMPOSE_STEPS:-2}" --dynamic-vram --cases "${CP_COMPOSE_DYNAMIC_CASES:-dynamic,gguf}" --json "$OUT/cp-compose-dynamic.json" 2>&1 \
+    --steps "${CP_COMPOSE_STEPS:-2}" ${CP_COMPOSE_INFERENCE:+--inference} --dynamic-vram --cases "${CP_COMPOSE_DYNAMIC_CASES:-dynamic,gguf}" --json "$OUT/cp-compose-dynamic.json" 2>&1 \
     | grep -E "^cp-compose|Traceback|Error" | tail -n 30
   return $(( PIPESTATUS[0] != 0 ))
 }
