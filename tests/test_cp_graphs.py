@@ -348,3 +348,50 @@ def test_dynamic_vram_weights_are_held_for_each_replay_or_the_run_goes_on_withou
         assert ("1 of them replayed as CUDA graphs" in said) == (case == "moved")
         assert "ComfyUI's dynamic VRAM moved or could not hold the model's weights on a GPU: the rest of the run " \
                "without CUDA graphs" in said
+
+
+class ExclusiveGraph(RecordedGraph):
+    """A graph that counts the captures under way in the process (PyTorch's cudaMallocAsync allocator, ComfyUI's
+    default, refuses a second one) and what the ranks' threads did while one was."""
+
+    lock = threading.Lock()
+    active = most = 0
+    beside: list = []  # attention calls made while another rank's capture was under way
+
+    def capture_begin(self, pool=None, capture_error_mode=None):
+        with ExclusiveGraph.lock:
+            ExclusiveGraph.active += 1
+            ExclusiveGraph.most = max(ExclusiveGraph.most, ExclusiveGraph.active)
+        super().capture_begin(pool, capture_error_mode)
+
+    def capture_end(self):
+        super().capture_end()
+        with ExclusiveGraph.lock:
+            ExclusiveGraph.active -= 1
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_ranks_record_their_pieces_one_at_a_time(zoo, monkeypatch, n):
+    """Every rank records its forward at once, but one capture is under way at a time in the process and no rank runs
+    an attention call (an island: its allocations and frees) while another captures; the latent is the eager split's."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    eager = sample(z, graphed(mod, base, n, graphs=False), case)
+    m = graphed(mod, base, n, graph_type=ExclusiveGraph)
+    hook = m.model_options["transformer_options"]["optimized_attention_override"]
+    route = type(hook)._route
+
+    def watched(self, *a, **k):
+        if ExclusiveGraph.active:
+            ExclusiveGraph.beside.append(threading.current_thread().name)
+        return route(self, *a, **k)
+
+    monkeypatch.setattr(type(hook), "_route", watched)
+    ExclusiveGraph.active = ExclusiveGraph.most = 0
+    ExclusiveGraph.beside = []
+    RecordedGraph.replays = 0
+    out = sample(z, m, case)
+    assert torch.equal(out, eager)
+    assert RecordedGraph.replays > 0
+    assert ExclusiveGraph.most == 1 and ExclusiveGraph.beside == []
