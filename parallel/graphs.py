@@ -27,12 +27,9 @@ No ComfyUI here; the node decides which forwards replay (nodes/context_parallel.
 from __future__ import annotations
 
 import contextlib
-import threading
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
-
-_CAPTURE = threading.Lock()  # one CUDA graph captured at a time in the process (Pieces._begin)
 
 # the RankContext fields a replay sets as the recording had them at each island (the others are the forward's own)
 _SNAPSHOT = ("layout", "_layout", "others", "whole_queries", "masks", "split", "why", "by_shapes", "state")
@@ -305,9 +302,7 @@ class Pieces:
         error otherwise (the node then runs the forward without graphs)."""
         gone = [a for ref, a in self._weak if ref.expired()]
         self._weak = []
-        if not gone or torch.cuda.get_allocator_backend() == "cudaMallocAsync":
-            # PyTorch's cudaMallocAsync (ComfyUI's default allocator) has no pools to look into: a tensor made by a
-            # piece is the graph's, at its address from one replay to the next, until a later piece frees it
+        if not gone:
             return
         pool = tuple(self._pool)
         spans = [(s["address"], s["address"] + s["total_size"]) for s in torch.cuda.memory_snapshot()
@@ -327,32 +322,19 @@ class Pieces:
     def _fields(ctx) -> dict:
         return {k: getattr(ctx, k) for k in _SNAPSHOT}
 
-    def _meet(self) -> None:
-        """Every rank of the recorded forward here (a rendezvous)."""
-        self._ctx.group.gather_objects(self._ctx.rank, None)
-
     def _begin(self) -> None:
-        # One capture at a time in the process (PyTorch's cudaMallocAsync allocator, ComfyUI's default, allows no more),
-        # and none while another rank runs an island: each piece is recorded once every rank is here, one rank after the
-        # other
-        self._meet()
         g = self.graph_type()
-        _CAPTURE.acquire()
-        try:
-            if self.cuda:
-                self._outer = torch.cuda.current_stream(self.device)
-                self._stream.wait_stream(self._outer)
-                torch.cuda.set_stream(self._stream)
-                try:
-                    g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
-                except BaseException:
-                    torch.cuda.set_stream(self._outer)
-                    raise
-            else:
-                g.capture_begin()
-        except BaseException:
-            _CAPTURE.release()
-            raise
+        if self.cuda:
+            self._outer = torch.cuda.current_stream(self.device)
+            self._stream.wait_stream(self._outer)
+            torch.cuda.set_stream(self._stream)
+            try:
+                g.capture_begin(pool=self._pool, capture_error_mode="thread_local")
+            except BaseException:
+                torch.cuda.set_stream(self._outer)
+                raise
+        else:
+            g.capture_begin()
         self._graph = g
 
     def _end(self) -> None:
@@ -360,12 +342,10 @@ class Pieces:
         try:
             g.capture_end()
         finally:
-            _CAPTURE.release()
             if self.cuda:
                 torch.cuda.set_stream(self._outer)
                 self._outer.wait_stream(self._stream)
         self.graphs.append(g)
-        self._meet()  # every rank's piece recorded before any runs on
         g.replay()  # the piece's values, for the island after it
 
     def _abort(self) -> None:
