@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
+import os
 import sys
 import threading
 import weakref
@@ -229,7 +230,8 @@ class ContextParallel:
         weights' place is known once it is loaded: :func:`graphs_off`, and under ComfyUI's dynamic VRAM at each
         forward: :class:`GraphWrapper`)."""
         device = getattr(patcher, "load_device", None)
-        return self.graphs and self.unit.graphs and getattr(device, "type", None) == "cuda"
+        return (self.graphs and self.unit.graphs and getattr(device, "type", None) == "cuda"
+                and not (self.graph_type is None and _async_allocator()))
 
     def steps(self, dm) -> tuple[str, str]:
         """Which steps of ``dm`` split, for the node's note: (which steps, what changes that), e.g. ("each step of
@@ -241,7 +243,8 @@ class ContextParallel:
         if work is None:
             return "each step", ""
         pack = work.tokens_for(self.tflop("pack"))
-        if self.graphs and self.unit.graphs:  # replayed as CUDA graphs where the weights stay put
+        if self.graphs and self.unit.graphs and not (self.graph_type is None and _async_allocator()):
+            # replayed as CUDA graphs where the weights stay put
             calls = self.unit.calls_per_block
             graphs = work.tokens_for(self.tflop("graphs-pack") * calls)
             comfy = work.tokens_for(self.tflop("graphs-comfyui") * calls)
@@ -249,10 +252,16 @@ class ContextParallel:
                 return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
             return (f"each step of {comfy:,} tokens or more",
                     f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
+        if self.graphs and self.unit.graphs and self.graph_type is None and _async_allocator():
+            kind = "graphs-comfyui" if _host_attention()[0] == "comfyui" else "graphs-pack"
+            graphs = work.tokens_for(self.tflop(kind) * self.unit.calls_per_block)
+            more = f"; from {graphs:,} with ComfyUI started with --disable-cuda-malloc, its steps replayed as CUDA graphs"
+        else:
+            more = ""
         if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
-            return f"each step of {pack:,} tokens or more", ""
+            return f"each step of {pack:,} tokens or more", f" ({more[2:]})" if more else ""
         return (f"each step of {work.tokens_for(self.tflop('comfyui')):,} tokens or more",
-                f" ({pack:,} or more with Patch Attention's kernels)")
+                f" ({pack:,} or more with Patch Attention's kernels{more})")
 
     def whole_run(self, patcher, shape, conds: dict, topts: dict, cfg: float = 1.0) -> str:
         """Why every forward of a run of a latent of ``shape`` stays on one GPU, told before the run from the shapes
@@ -608,10 +617,25 @@ class SplitForwardWrapper(_Wrapper):
             raise
 
 
+ASYNC_ALLOCATOR = ("PyTorch runs its cudaMallocAsync allocator (ComfyUI's default; start ComfyUI with "
+                   "--disable-cuda-malloc for them)")
+
+
+def _async_allocator() -> bool:
+    """PyTorch's CUDA memory comes from its cudaMallocAsync allocator (ComfyUI sets it up at its start unless told
+    --disable-cuda-malloc): it records one CUDA graph at a time in the process, and a tensor made before a recording
+    and freed during it stops the process (measured through ComfyUI's server, 2x H200, PyTorch 2.11): no graphs then."""
+    try:
+        return torch.cuda.is_available() and torch.cuda.get_allocator_backend() == "cudaMallocAsync"
+    except Exception:  # an allocator not started: the setting says which it will be
+        return "cudaMallocAsync" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
 def graphs_off(cp, groups, grad: bool = False) -> str:
     """Why the split forwards of a run on ``groups`` cannot replay as CUDA graphs ("": they can): the node's setting,
     the model's family, devices other than CUDA GPUs (tests give a stand-in graph), or weights that move during the
-    run (ComfyUI's estimate-based loader offloading part of a model: a graph replays the addresses it recorded).  Under
+    run (ComfyUI's estimate-based loader offloading part of a model: a graph replays the addresses it recorded), or
+    PyTorch's cudaMallocAsync allocator (:func:`_async_allocator`).  Under
     ComfyUI's dynamic VRAM each forward holds the weights where its graphs read them, or runs without graphs
     (:class:`GraphWrapper`)."""
     if not cp.graphs:
@@ -622,6 +646,8 @@ def graphs_off(cp, groups, grad: bool = False) -> str:
         return "gradients are on"
     if cp.graph_type is None and any(d.type != "cuda" for g in groups for d, _ in g):
         return "not on CUDA GPUs"
+    if cp.graph_type is None and _async_allocator():
+        return ASYNC_ALLOCATOR
     for g in groups:
         for _, m in g:
             if getattr(m, "model_lowvram", False):

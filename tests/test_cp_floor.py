@@ -434,3 +434,27 @@ def test_a_run_at_cfg_above_one_with_cfg_split_keeps_its_copies(two_devices, mon
     out = z.sample(m, case)
     assert _loaded_on(torch.device("cpu", 1))  # the second cond's device had its copy
     assert rel_l1(out, ref) < 1e-5
+
+
+@pytest.mark.comfyui
+def test_the_note_says_what_graphs_need_under_cudas_async_allocator(comfy_pack, monkeypatch):
+    """Under PyTorch's cudaMallocAsync allocator (ComfyUI's default) split forwards are not replayed as CUDA graphs: the
+    node's note gives the floors without them, and from how many tokens a step would split with ComfyUI started with
+    --disable-cuda-malloc."""
+    import comfy.ldm.modules.attention as comfy_attention
+
+    mod = comfy_pack
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    _, dm, unit = _preset(mod, "flux-dev")
+    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
+    cp = cpn.ContextParallel(unit, min_tokens=None)
+    work = cp.work(dm)
+    tokens = {k: work.tokens_for(cp.tflop(k)) for k in ("comfyui", "pack", "graphs-comfyui")}
+    with_graphs = cp.steps(dm)
+    assert with_graphs[0] == f"each step of {tokens['graphs-comfyui']:,} tokens or more"
+    monkeypatch.setattr(cpn, "_async_allocator", lambda: True)
+    assert cp.steps(dm) == (f"each step of {tokens['comfyui']:,} tokens or more",
+                            f" ({tokens['pack']:,} or more with Patch Attention's kernels; from "
+                            f"{tokens['graphs-comfyui']:,} with ComfyUI started with --disable-cuda-malloc, its steps "
+                            "replayed as CUDA graphs)")
+    assert not cp.graphs_possible(types.SimpleNamespace(load_device=torch.device("cuda", 0)))

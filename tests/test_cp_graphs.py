@@ -272,6 +272,15 @@ def test_weights_that_move_during_a_run_keep_it_eager(zoo):
     assert "part of the model's weights" in why(_Model(model_lowvram=True))
     assert why(_Model(dynamic_vbars={cuda[0]: object()})) == ""  # checked at each forward (below)
     assert why(_Model(), devices=[torch.device("cpu")] * 2, graph_type=None) == "not on CUDA GPUs"
+    # PyTorch's cudaMallocAsync allocator (ComfyUI's default) stopped the process recording split forwards
+    node_async = node._async_allocator
+    try:
+        node._async_allocator = lambda: True
+        assert why(_Model(), graph_type=None) == node.ASYNC_ALLOCATOR
+        assert "--disable-cuda-malloc" in node.ASYNC_ALLOCATOR
+        assert why(_Model()) == ""  # a stand-in graph records no CUDA memory
+    finally:
+        node._async_allocator = node_async
     cp.graphs = False
     assert why(_Model()) == "off"
     families = importlib.import_module(mod.__name__ + ".parallel.families")
@@ -348,3 +357,27 @@ def test_dynamic_vram_weights_are_held_for_each_replay_or_the_run_goes_on_withou
         assert ("1 of them replayed as CUDA graphs" in said) == (case == "moved")
         assert "ComfyUI's dynamic VRAM moved or could not hold the model's weights on a GPU: the rest of the run " \
                "without CUDA graphs" in said
+
+
+def test_the_allocator_is_read_from_pytorch_or_from_its_setting(zoo, monkeypatch):
+    """Which allocator PyTorch's CUDA memory comes from: PyTorch says, once it runs; before, its setting
+    (PYTORCH_CUDA_ALLOC_CONF, where ComfyUI puts backend:cudaMallocAsync); no CUDA, none."""
+    _, mod, _ = zoo
+    node = _node(mod)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert node._async_allocator()
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "native")
+    assert not node._async_allocator()
+
+    def not_started():
+        raise RuntimeError("no CUDA allocator yet")
+
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", not_started)
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True,backend:cudaMallocAsync")
+    assert node._async_allocator()
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert not node._async_allocator()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
+    assert not node._async_allocator()
