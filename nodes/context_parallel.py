@@ -432,7 +432,8 @@ class RunWrapper(_Wrapper):
                 if run.forwards:
                     log.info("%s: %d of %d forwards split over %d GPUs%s%s", NODE, run.split_forwards, run.forwards,
                              max(len(g) for g in run.groups),
-                             f", {run.graphed} of them replayed as CUDA graphs" if run.graphed else "",
+                             f", {run.graphed} of them replayed as CUDA graphs ({run.pieces.get('recorded', 0)} "
+                             "recorded)" if run.graphed else "",
                              f" ({run.reused} reused a step cache's output)" if run.reused else "")
             restore()
 
@@ -696,6 +697,7 @@ class GraphWrapper:
             out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
             pieces.weights, pieces.resident = _weights(modules), held
             self.store[k] = pieces
+            self.store["recorded"] = self.store.get("recorded", 0) + 1
             return out
         finally:
             if held is not None:
