@@ -216,14 +216,10 @@ class ContextParallel:
             return {}
         kind, name = attention_of(topts)
         if graphs:  # per attention call: what a replay's host work grows with
-            return {"work": work, "min_tflop": self.tflop(f"graphs-{kind}") * self.unit.calls_per_block,
+            return {"work": work, "min_tflop": SPLIT_TFLOP[f"graphs-{kind}"] * self.unit.calls_per_block,
                     "attention": name}
-        return {"work": work, "min_tflop": self.tflop(kind), "attention": name}
+        return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
 
-    def tflop(self, kind: str) -> float:
-        """The work floor ``kind`` (a key of :data:`SPLIT_TFLOP`) for this node's family: its own where it has one
-        (``Unit.floors``)."""
-        return self.unit.floors.get(kind, SPLIT_TFLOP[kind])
 
     def graphs_possible(self, patcher) -> bool:
         """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
@@ -242,25 +238,25 @@ class ContextParallel:
         work = self.work(dm)
         if work is None:
             return "each step", ""
-        pack = work.tokens_for(self.tflop("pack"))
+        pack = work.tokens_for(SPLIT_TFLOP["pack"])
         if self.graphs and self.unit.graphs and not (self.graph_type is None and _async_allocator()):
             # replayed as CUDA graphs where the weights stay put
             calls = self.unit.calls_per_block
-            graphs = work.tokens_for(self.tflop("graphs-pack") * calls)
-            comfy = work.tokens_for(self.tflop("graphs-comfyui") * calls)
-            if _host_attention()[0] != "comfyui" or comfy == graphs:
+            graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"] * calls)
+            comfy = work.tokens_for(SPLIT_TFLOP["graphs-comfyui"] * calls)
+            if _host_attention()[0] != "comfyui":
                 return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
             return (f"each step of {comfy:,} tokens or more",
                     f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
         if self.graphs and self.unit.graphs and self.graph_type is None and _async_allocator():
             kind = "graphs-comfyui" if _host_attention()[0] == "comfyui" else "graphs-pack"
-            graphs = work.tokens_for(self.tflop(kind) * self.unit.calls_per_block)
+            graphs = work.tokens_for(SPLIT_TFLOP[kind] * self.unit.calls_per_block)
             more = f"; from {graphs:,} with ComfyUI started with --disable-cuda-malloc, its steps replayed as CUDA graphs"
         else:
             more = ""
         if _host_attention()[0] != "comfyui":  # ComfyUI started with sage, flash, ...: the higher floor either way
             return f"each step of {pack:,} tokens or more", f" ({more[2:]})" if more else ""
-        return (f"each step of {work.tokens_for(self.tflop('comfyui')):,} tokens or more",
+        return (f"each step of {work.tokens_for(SPLIT_TFLOP['comfyui']):,} tokens or more",
                 f" ({pack:,} or more with Patch Attention's kernels{more})")
 
     def whole_run(self, patcher, shape, conds: dict, topts: dict, cfg: float = 1.0) -> str:
@@ -860,8 +856,10 @@ class OneGpuNotice(SharedWrapper):
 #
 # The floor is per attention call of a block (Unit.calls_per_block), each of which a replay still runs on the host:
 # Wan's blocks make two, self-attention (exchanged) and cross-attention (not: counted as half a call), so Wan 2.1 1.3B
-# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2). The host's work per call
-# differs by family: Flux's own floor for Patch Attention's kernels (Unit.floors) is ComfyUI's attention's, 1.2.
+# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2). Flux at 1024² now pays
+# step by step with Patch Attention's kernels too (x1.13-1.57), but a whole 20-step prompt through ComfyUI's server ran
+# x0.88 split (2x H200, --disable-cuda-malloc): each sampling run records its graphs again, its first forward eager: the
+# floor stays where it is until graphs outlive a run.
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI offloads part of the weights"
 

@@ -225,12 +225,11 @@ def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch
             assert not C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(need - 1, prefix=prefix)
 
 
-# Split forwards replayed as CUDA graphs (where the weights stay put), every forward split, 2x H200, ComfyUI 0.33.0, each
-# family's own floors (Unit.floors): ComfyUI's attention and sage_fp8_sm90, the median over the machines measured.
-# Qwen-Image x1.59-1.70 and x1.16-1.25 on two machines, Wan 2.1 14B 17 frames x1.76 and x1.68 on one (the exchange
-# before); then, with the exchange heads first and from its plan (2026-11-28): Flux 1024² x1.54 and x1.13 (on another
-# machine unpatched x1.56; auto and auto_exact x1.38-1.57 on the two), 768² x0.95 and x0.64, Wan 2.1 1.3B 33 frames
-# x1.65 and x0.96 (auto x0.85).
+# Split forwards replayed as CUDA graphs (where the weights stay put), every forward split, 2x H200, ComfyUI 0.33.0:
+# ComfyUI's attention and sage_fp8_sm90, the median over the machines measured. Qwen-Image x1.59-1.70 and x1.16-1.25 on
+# two machines, Wan 2.1 14B 17 frames x1.76 and x1.68 on one (the exchange before); then, with the exchange heads first
+# and from its plan (2026-11-28): Flux 1024² x1.54 and x1.13 (on another machine unpatched x1.56; auto and auto_exact
+# x1.38-1.57 on the two), 768² x0.95 and x0.64, Wan 2.1 1.3B 33 frames x1.65 and x0.96 (auto x0.85).
 MEASURED_GRAPHS = [("qwen-image", 7145, 1.64, 1.20), ("wan-14b-17f", 7800, 1.76, 1.68), ("flux-dev", 4608, 1.54, 1.13),
                    ("flux-dev-768", 2816, 0.95, 0.64), ("wan-1.3b-33f", 14040, 1.65, 0.96)]
 
@@ -255,7 +254,7 @@ def test_every_size_measured_with_graphs_is_on_its_side_of_their_floor(comfy_pac
     hooks = {"comfyui": {}, "pack": {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}}
     for kind, ratio in (("comfyui", comfyui), ("pack", pack)):
         floor = cp.floor(dm, hooks[kind], graphs=True)
-        assert floor["min_tflop"] == cp.tflop(f"graphs-{kind}") * unit.calls_per_block < cp.tflop(kind)
+        assert floor["min_tflop"] == cpn.SPLIT_TFLOP[f"graphs-{kind}"] * unit.calls_per_block < cpn.SPLIT_TFLOP[kind]
         split = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(tokens, prefix=prefix)
         assert split if ratio >= CLEARLY else (not split if ratio < PAYS else True), (kind, ratio, split)
 
@@ -449,7 +448,7 @@ def test_the_note_says_what_graphs_need_under_cudas_async_allocator(comfy_pack, 
     monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
     cp = cpn.ContextParallel(unit, min_tokens=None)
     work = cp.work(dm)
-    tokens = {k: work.tokens_for(cp.tflop(k)) for k in ("comfyui", "pack", "graphs-comfyui")}
+    tokens = {k: work.tokens_for(cpn.SPLIT_TFLOP[k]) for k in ("comfyui", "pack", "graphs-comfyui")}
     with_graphs = cp.steps(dm)
     assert with_graphs[0] == f"each step of {tokens['graphs-comfyui']:,} tokens or more"
     monkeypatch.setattr(cpn, "_async_allocator", lambda: True)

@@ -53,7 +53,6 @@ class Unit:
     shared_linears: tuple = ("mod",)
     graphs = False  # its split forwards may replay as CUDA graphs (parallel/graphs.py)
     calls_per_block = 1.0  # attention calls in a block: what a replayed forward's host work grows with
-    floors: dict = {}  # the node's work floors (nodes/context_parallel.py SPLIT_TFLOP) measured apart for this family
 
     def block_keys(self, dm) -> list:
         raise NotImplementedError

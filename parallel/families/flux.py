@@ -30,9 +30,6 @@ class FluxUnit(Unit):
     name = "Flux.1/Flux.2"
     classes = ("Flux",)
     graphs = True  # measured: docs/multi-gpu.md, "CUDA graphs in the node"
-    # Patch Attention's kernels, replayed: 2x H200, every forward split, 1024² (1.3 TFLOP a block) x1.38-1.57 with auto
-    # and auto_exact, x1.13 sage_fp8_sm90; 768² (0.75) x0.89-0.98 and x0.64 (SPLIT_TFLOP's 2.0 is Wan's: x0.85-0.96 at 1.6)
-    floors = {"graphs-pack": 1.2}
     # the modulation (double blocks' img_mod/txt_mod, single blocks' modulation) and the double blocks' text stream
     shared_linears = ("_mod", "modulation", "txt_")
 
