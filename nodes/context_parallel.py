@@ -220,7 +220,6 @@ class ContextParallel:
                     "attention": name}
         return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
 
-
     def graphs_possible(self, patcher) -> bool:
         """Whether a run of ``patcher``'s model may replay its split forwards as CUDA graphs, told before the run (its
         weights' place is known once it is loaded: :func:`graphs_off`, and under ComfyUI's dynamic VRAM at each
@@ -239,8 +238,9 @@ class ContextParallel:
         if work is None:
             return "each step", ""
         pack = work.tokens_for(SPLIT_TFLOP["pack"])
-        if self.graphs and self.unit.graphs and not (self.graph_type is None and _async_allocator()):
-            # replayed as CUDA graphs where the weights stay put
+        graphs_on = self.graphs and self.unit.graphs
+        no_graphs_here = graphs_on and self.graph_type is None and _async_allocator()
+        if graphs_on and not no_graphs_here:  # replayed as CUDA graphs where the weights stay put
             calls = self.unit.calls_per_block
             graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"] * calls)
             comfy = work.tokens_for(SPLIT_TFLOP["graphs-comfyui"] * calls)
@@ -248,7 +248,7 @@ class ContextParallel:
                 return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
             return (f"each step of {comfy:,} tokens or more",
                     f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
-        if self.graphs and self.unit.graphs and self.graph_type is None and _async_allocator():
+        if no_graphs_here:  # what ComfyUI's allocator keeps from them
             kind = "graphs-comfyui" if _host_attention()[0] == "comfyui" else "graphs-pack"
             graphs = work.tokens_for(SPLIT_TFLOP[kind] * self.unit.calls_per_block)
             more = f"; from {graphs:,} with ComfyUI started with --disable-cuda-malloc, its steps replayed as CUDA graphs"
@@ -499,7 +499,8 @@ class SplitForwardWrapper(_Wrapper):
         except NotResident as e:  # no graph can rely on where the weights are: the rest of the run without them
             with cp._lock:
                 run.graphs = False
-                run.pieces.clear()
+                for k in [k for k in run.pieces if k != "recorded"]:  # the graphs' memory goes
+                    del run.pieces[k]
             cp.say("graphs-moved", f"{e}: the rest of the run without CUDA graphs (short steps may then stay on one GPU)")
             graphs = False
             out, ctx = self._split(run, ranks, floor, dm, call, None)
@@ -693,7 +694,8 @@ class GraphWrapper:
             out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
             pieces.weights, pieces.resident = _weights(modules), held
             self.store[k] = pieces
-            self.store["recorded"] = self.store.get("recorded", 0) + 1
+            if ctx.rank == 0:  # forwards recorded, counted once
+                self.store["recorded"] = self.store.get("recorded", 0) + 1
             return out
         finally:
             if held is not None:
