@@ -424,12 +424,13 @@ class RunWrapper(_Wrapper):
             for u in undo:
                 u()
             if run is not None:
+                recorded = run.pieces.get("recorded", 0)
                 run.close()
                 if run.forwards:
                     log.info("%s: %d of %d forwards split over %d GPUs%s%s", NODE, run.split_forwards, run.forwards,
                              max(len(g) for g in run.groups),
-                             f", {run.graphed} of them replayed as CUDA graphs ({run.pieces.get('recorded', 0)} "
-                             "recorded)" if run.graphed else "",
+                             f", {run.graphed} of them replayed as CUDA graphs ({recorded} recorded)"
+                             if run.graphed else "",
                              f" ({run.reused} reused a step cache's output)" if run.reused else "")
             restore()
 
