@@ -165,19 +165,19 @@ def _mark(v, ctx, topts):
 
 def _binder(v):
     """``fn(ctx, topts)``: the marked ``v`` (:func:`_mark`) with ``ctx`` and ``topts`` in place of the marks, by a
-    function built once (a replay calls it at every island): containers with a mark inside are made again at each call,
-    in their order, the rest is ``v``'s own; None where ``v`` holds no mark."""
+    function built once (a replay calls it at every island): dicts, lists and containers with a mark inside are made
+    again at each call, in their order (the island may change them); the rest is ``v``'s own.  None where ``v`` is
+    neither (it is handed on as it is)."""
     if v is CTX:
         return lambda ctx, topts: ctx
     if v is TOPTS:
         return lambda ctx, topts: topts
     if isinstance(v, dict):
         items = [(k, _binder(x), x) for k, x in v.items()]
-        if any(b is not None for _, b, _ in items):
-            return lambda ctx, topts: {k: x if b is None else b(ctx, topts) for k, b, x in items}
-    elif isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
+        return lambda ctx, topts: {k: x if b is None else b(ctx, topts) for k, b, x in items}
+    if isinstance(v, (list, tuple)) and not isinstance(v, torch.Size):
         parts = [(_binder(x), x) for x in v]
-        if any(b is not None for b, _ in parts):
+        if isinstance(v, list) or any(b is not None for b, _ in parts):
             kind = type(v)
             return lambda ctx, topts: kind(x if b is None else b(ctx, topts) for b, x in parts)
     return None

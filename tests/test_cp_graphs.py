@@ -381,3 +381,27 @@ def test_the_allocator_is_read_from_pytorch_or_from_its_setting(zoo, monkeypatch
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     monkeypatch.setattr(torch.cuda, "get_allocator_backend", lambda: "cudaMallocAsync")
     assert not node._async_allocator()
+
+
+def test_an_islands_arguments_are_bound_to_each_replays_context_by_a_function_built_once():
+    """What a replay hands an island: the recorded arguments with this forward's context and transformer_options in
+    place of the recording's marks, its dicts and lists new each time (an island may change them), its plain tuples
+    (tensors, numbers) as they are."""
+    from comfyui_support import load_pack
+
+    mod, _ = load_pack()
+    G = importlib.import_module(mod.__name__ + ".parallel.graphs")
+    t = torch.zeros(2)
+    plain = (t, 3, "x")
+    ctx1, topts1 = object(), {"a": 1}
+    recorded = (("self", ctx1, plain), {"transformer_options": topts1, "mask": None, "extra": [t],
+                                        "copy": {"cond_or_uncond": [0], "ctx": ctx1}})
+    marked = G._mark(recorded, ctx1, topts1)
+    bind = G._binder(marked)
+    ctx2, topts2 = object(), {"b": 2}
+    (args, kwargs), (args2, kwargs2) = bind(ctx2, topts2), bind(ctx2, topts2)
+    assert args == ("self", ctx2, plain) and args[2] is args2[2]  # the same tuple at every replay
+    # a dict holding the context is a copy of transformer_options the model made: this forward's, as the mark says
+    assert kwargs == {"transformer_options": topts2, "mask": None, "extra": [t], "copy": topts2}
+    assert kwargs is not kwargs2 and kwargs["extra"] is not kwargs2["extra"]
+    assert G._binder(plain) is None
