@@ -67,7 +67,11 @@ class Residency:
         memory left for it; none is held then)."""
         out = []
         for i, (space, a, n) in enumerate(self.runs):
-            sig = space.fault(a, n)
+            try:
+                sig = space.fault(a, n)
+            except BaseException:  # comfy-aimdo's own error: those held so far let go
+                self.unpin(i)
+                raise
             if sig is None:
                 self.unpin(i)
                 return None
