@@ -13,6 +13,7 @@ import ctypes
 import importlib
 import logging
 import threading
+import types
 
 import pytest
 import torch
@@ -405,3 +406,44 @@ def test_an_islands_arguments_are_bound_to_each_replays_context_by_a_function_bu
     assert kwargs == {"transformer_options": topts2, "mask": None, "extra": [t], "copy": topts2}
     assert kwargs is not kwargs2 and kwargs["extra"] is not kwargs2["extra"]
     assert G._binder(plain) is None
+
+
+def test_the_weights_ranges_are_held_as_few_ranges_and_let_go_on_any_failure():
+    """A model's weights in comfy-aimdo's spaces (``module._v``, one range a module, 512-byte aligned one after the
+    other) are held as one range per run of neighbours; where a range cannot be held (no memory: None; or an error of
+    comfy-aimdo's) the ranges held before it are let go."""
+    from comfyui_support import load_pack
+
+    mod, _ = load_pack()
+    G = importlib.import_module(mod.__name__ + ".parallel.graphs")
+
+    class Space(_Space):
+        def __init__(self, fail=None, **kw):
+            super().__init__(**kw)
+            self.fail, self.held = fail, []
+
+        def fault(self, addr, size):
+            if self.fail:
+                raise self.fail
+            self.held.append((addr, size))
+            return super().fault(addr, size)
+
+    a, b = Space(), Space()
+    mods = [types.SimpleNamespace(_v=(a, 1024, 100)), types.SimpleNamespace(_v=(a, 1536, 200)),  # neighbours: one
+            types.SimpleNamespace(_v=(a, 8192, 10)), types.SimpleNamespace(_v=(b, 0, 64)), types.SimpleNamespace()]
+    r = G.Residency(mods)
+    assert [(s, x, n) for s, x, n in r.runs] == [(a, 1024, 712), (a, 8192, 10), (b, 0, 64)] or \
+        [(s, x, n) for s, x, n in r.runs] == [(b, 0, 64), (a, 1024, 712), (a, 8192, 10)]
+    sig = r.pin()
+    assert len(sig) == 3 and a.pins == 2 and b.pins == 1
+    r.unpin()
+    assert a.pins == b.pins == 0
+    for bad in (Space(full=True), Space(fail=RuntimeError("Fault failed: 2"))):
+        r = G.Residency([types.SimpleNamespace(_v=(a, 0, 64)), types.SimpleNamespace(_v=(bad, 0, 64))])
+        r.runs.sort(key=lambda run: run[0] is bad)  # the good range first
+        if bad.fail:
+            with pytest.raises(RuntimeError, match="Fault failed"):
+                r.pin()
+        else:
+            assert r.pin() is None
+        assert a.pins == 0 and bad.pins == 0
