@@ -354,6 +354,8 @@ class Run:
         self.split_shapes = {}  # the shapes of the forwards that split -> their work per block (the next may replay)
         self.no_graphs = set()  # the shapes whose graphs failed: they run without them
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
+        self.recorded = 0  # forwards recorded as CUDA graphs
+        self.residency = {}  # id(diffusion model) -> its weights in dynamic VRAM (parallel.graphs.Residency), or None
 
     def patch_models(self, unit, undo: list) -> None:
         """The unit's changes to every GPU's model for this run, each one's undoing appended to ``undo`` as it is
@@ -424,12 +426,11 @@ class RunWrapper(_Wrapper):
             for u in undo:
                 u()
             if run is not None:
-                recorded = run.pieces.get("recorded", 0)
                 run.close()
                 if run.forwards:
                     log.info("%s: %d of %d forwards split over %d GPUs%s%s", NODE, run.split_forwards, run.forwards,
                              max(len(g) for g in run.groups),
-                             f", {run.graphed} of them replayed as CUDA graphs ({recorded} recorded)"
+                             f", {run.graphed} of them replayed as CUDA graphs ({run.recorded} recorded)"
                              if run.graphed else "",
                              f" ({run.reused} reused a step cache's output)" if run.reused else "")
             restore()
@@ -500,8 +501,7 @@ class SplitForwardWrapper(_Wrapper):
         except NotResident as e:  # no graph can rely on where the weights are: the rest of the run without them
             with cp._lock:
                 run.graphs = False
-                for k in [k for k in run.pieces if k != "recorded"]:  # the graphs' memory goes
-                    del run.pieces[k]
+                run.pieces.clear()  # the graphs' memory goes
             cp.say("graphs-moved", f"{e}: the rest of the run without CUDA graphs (short steps may then stay on one GPU)")
             graphs = False
             out, ctx = self._split(run, ranks, floor, dm, call, None)
@@ -549,7 +549,7 @@ class SplitForwardWrapper(_Wrapper):
         def options(r, device):
             o = self.rank_options(topts, ctxs[r], keys, device, uncompiled)
             o = handoff.following(o) if r else handoff.leading(o)
-            return o if graphs is None else _graphed(o, GraphWrapper(run.pieces, graphs, ranks[r][0], cp.graph_type))
+            return o if graphs is None else _graphed(o, GraphWrapper(run, graphs, ranks[r][0], cp.graph_type))
 
         futures = []
         for r in range(1, group.size):
@@ -657,15 +657,15 @@ def graphs_off(cp, groups, grad: bool = False) -> str:
 class GraphWrapper:
     """DIFFUSION_MODEL wrapper, innermost, of one GPU's share of a forward that replays as CUDA graphs: records the
     diffusion model's forward at the first call of its arguments' shapes in the run, replays it from then on
-    (:class:`~..parallel.graphs.Pieces`; ``store``: the run's).
+    (:class:`~..parallel.graphs.Pieces`, kept in the :class:`Run`'s ``pieces``).
 
     Weights in ComfyUI's dynamic VRAM (comfy-aimdo maps them to GPU memory as they are used, and may take the memory
     back between uses) are held on the GPU for the recording and each replay, and a replay runs only where they are the
     pages its recording read (:class:`~..parallel.graphs.Residency`; every GPU or none); otherwise
     :class:`~..parallel.graphs.NotResident`, and the node runs the rest of the run without graphs."""
 
-    def __init__(self, store: dict, shapes, device, graph_type=None):
-        self.store, self.shapes, self.device, self.graph_type = store, shapes, device, graph_type
+    def __init__(self, run: Run, shapes, device, graph_type=None):
+        self.run, self.shapes, self.device, self.graph_type = run, shapes, device, graph_type
 
     def __call__(self, executor, *args, **kwargs):
         topts = next(v for v in (*args, *kwargs.values()) if isinstance(v, dict) and CP_KEY in v)
@@ -674,7 +674,7 @@ class GraphWrapper:
         k = (self.shapes, ctx.rank, key)
         # where the weights are: ComfyUI may put other tensors in their place during a run (hooks that patch weights
         # per step), and a graph would read the ones it recorded
-        pieces = self.store.get(k)
+        pieces = self.run.pieces.get(k)
         if pieces is not None and _weights(pieces.modules) != pieces.weights:
             pieces = None
         module = executor.class_obj
@@ -694,9 +694,9 @@ class GraphWrapper:
             pieces.modules = modules
             out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
             pieces.weights, pieces.resident = _weights(modules), held
-            self.store[k] = pieces
+            self.run.pieces[k] = pieces
             if ctx.rank == 0:  # forwards recorded, counted once
-                self.store["recorded"] = self.store.get("recorded", 0) + 1
+                self.run.recorded += 1
             return out
         finally:
             if held is not None:
@@ -705,11 +705,11 @@ class GraphWrapper:
     def _residency(self, module, modules: list):
         """``module``'s :class:`~..parallel.graphs.Residency` (None: no weights in dynamic VRAM), found once per
         run."""
-        key = ("residency", id(module))
-        if key not in self.store:
+        known = self.run.residency
+        if id(module) not in known:
             r = Residency(modules)
-            self.store[key] = r if r.runs else None
-        return self.store[key]
+            known[id(module)] = r if r.runs else None
+        return known[id(module)]
 
 
 def _weights(modules: list) -> tuple:
