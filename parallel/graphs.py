@@ -281,10 +281,8 @@ class Pieces:
                 if stage is None:
                     stage = self._staging[(out.shape, out.dtype)] = torch.empty_like(out)
                 stage.copy_(out)
-        bind = _binder((args, kwargs))
-        if bind is None:
-            bind = (lambda v: lambda ctx, topts: v)((args, kwargs))
-        self.islands.append((fn, bind, fields, writes, out if stage is None else stage))
+        # (args, kwargs): kwargs a dict, made again at each replay, so there is always a binder
+        self.islands.append((fn, _binder((args, kwargs)), fields, writes, out if stage is None else stage))
         self._begin()
         return out if stage is None else stage.clone()
 
