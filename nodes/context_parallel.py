@@ -44,7 +44,7 @@ import torch
 from ..parallel import ulysses as ulysses_mod
 from ..parallel.context import CP_KEY, RankContext, StopRank
 from ..parallel.families import supported, unit_for
-from ..parallel.graphs import NotResident, Pieces, Residency, signature
+from ..parallel.graphs import NotResident, Pieces, Residency, Same, options_key, signature
 from ..parallel.group import Group, GroupAborted, on_device, split
 from ..parallel.ulysses import mask_problem
 from ..parallel.work import Work
@@ -188,9 +188,21 @@ class ContextParallel:
         self._lock = threading.Lock()
         self._work = weakref.WeakKeyDictionary()  # diffusion model -> its Work, made once per model
         self.run = None  # the current sampling run (read by forwards in any thread)
+        self.kept = None  # the last run's CUDA graphs, for the next run of the same models and options (Kept)
 
     def __deepcopy__(self, memo):
         return self
+
+    def release(self, patcher=None, unpatch_all: bool = True) -> None:
+        """The kept graphs let go (their memory with them), where ComfyUI unloads ``patcher``, one of those they were
+        recorded with (its ON_DETACH callback; ``unpatch_all`` False: the weights stay where they are, as at every
+        sampling start, when ComfyUI takes a model out of its loaded list and loads it again), or always without one."""
+        with self._lock:
+            kept = self.kept
+            if kept is None or not unpatch_all or (patcher is not None and Same(patcher) not in kept.patchers):
+                return
+            self.kept = None
+        kept.pieces.clear()
 
     def work(self, dm) -> Work | None:
         """``dm``'s work per block (:meth:`~..parallel.families.Unit.work`), made once (for the node's note, or at the
@@ -334,6 +346,28 @@ def show_on_node(node: str | None, text: str) -> None:
                                   "prompt_id": running.prompt_id}, server.client_id)
 
 
+class Kept:
+    """A sampling run's CUDA graphs kept for the next run (ComfyUI keeps a model loaded from one prompt to the next):
+    that run replays them from its first forward where its models, their patches and its forwards' options are the
+    same (:func:`run_key`, :func:`~..parallel.graphs.options_key`) and the weights where they were, instead of running
+    its first forward eagerly and recording its second.  ``pieces`` and ``split_shapes`` are the run's."""
+
+    __slots__ = ("key", "patchers", "pieces", "split_shapes")
+
+    def __init__(self, key, patchers, pieces, split_shapes):
+        self.key, self.patchers, self.pieces, self.split_shapes = key, patchers, pieces, split_shapes
+
+
+def run_key(patchers: list, groups: list, inference: bool):
+    """What the graphs of a run on ``groups`` (sampled through ``patchers``: the sampled model and its GPUs' copies)
+    are recorded with beyond each forward's options: the patchers and their weight patches (a LoRA changed), the
+    GPUs' models.  None where a run's graphs are not kept: hooks that change the weights during a run."""
+    if any(getattr(p, "hook_patches", None) or getattr(p, "forced_hooks", None) for p in patchers):
+        return None
+    return (tuple((Same(p), getattr(p, "patches_uuid", None)) for p in patchers),
+            tuple((d, Same(m)) for g in groups for d, m in g), inference)
+
+
 class Run:
     """One sampling run: the GPUs' models by group, a worker per extra GPU, what was said."""
 
@@ -355,6 +389,9 @@ class Run:
         self.no_graphs = set()  # the shapes whose graphs failed: they run without them
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
         self.recorded = 0  # forwards recorded as CUDA graphs
+        self.key = None  # run_key: the run's graphs are kept for the next run (None: not)
+        self.patchers = ()  # (Same) the patchers of the run, whose unloading lets its kept graphs go
+        self.inherited = False  # the pieces are the last run's (Kept), none recorded in this run yet
         self.residency = {}  # id(diffusion model) -> its weights in dynamic VRAM (parallel.graphs.Residency), or None
 
     def patch_models(self, unit, undo: list) -> None:
@@ -363,10 +400,27 @@ class Run:
         for m in {id(m): m for g in self.groups for _, m in g}.values():
             undo.append(unit.patch_run(m.diffusion_model))
 
-    def close(self) -> None:
+    def take(self, cp) -> None:
+        """The last run's graphs, where they were recorded as this run's would be; otherwise they go (their memory
+        before this run records its own)."""
+        with cp._lock:
+            kept, cp.kept = cp.kept, None
+        if kept is None:
+            return
+        if self.graphs and self.key is not None and kept.key == self.key:
+            self.pieces, self.split_shapes, self.inherited = kept.pieces, dict(kept.split_shapes), True
+        else:
+            kept.pieces.clear()
+
+    def close(self, cp) -> None:
+        """Workers stopped; the run's graphs kept for the next run where they may serve it, or let go."""
         for w in self.workers.values():
             w.shutdown(wait=True)
-        self.pieces.clear()  # the graphs' memory goes with the run
+        if self.graphs and self.key is not None and self.pieces:
+            with cp._lock:
+                cp.kept = Kept(self.key, self.patchers, self.pieces, self.split_shapes)
+        else:
+            self.pieces.clear()  # the graphs' memory goes with the run
 
 
 def _shapes(values) -> tuple:
@@ -408,6 +462,7 @@ class RunWrapper(_Wrapper):
         extra = args[2] if len(args) > 2 else kwargs.get("extra_args")
         options = extra.get("model_options", {}) if isinstance(extra, dict) else {}
         base = getattr(getattr(guider, "model_patcher", None), "model", None)
+        clones = options.get("multigpu_clones") or {}
         groups, restore = self.groups(cp, options, base, getattr(guider, "cfg", 1.0))
         run = Run(groups, torch.is_grad_enabled(), torch.is_inference_mode_enabled()) if groups else None
         if run is not None:
@@ -415,6 +470,10 @@ class RunWrapper(_Wrapper):
             run.graphs = not why
             if why and cp.unit.graphs and cp.graphs:
                 log.info("%s: no CUDA graphs in this run: %s", NODE, why)
+            patchers = [p for p in (getattr(guider, "model_patcher", None), *clones.values()) if p is not None]
+            run.key = run_key(patchers, groups, run.inference) if run.graphs else None
+            run.patchers = tuple(Same(p) for p in patchers)
+            run.take(cp)
         prev, cp.run = cp.run, run
         undo = []
         try:
@@ -426,7 +485,7 @@ class RunWrapper(_Wrapper):
             for u in undo:
                 u()
             if run is not None:
-                run.close()
+                run.close(cp)
                 if run.forwards:
                     log.info("%s: %d of %d forwards split over %d GPUs%s%s", NODE, run.split_forwards, run.forwards,
                              max(len(g) for g in run.groups),
@@ -483,7 +542,9 @@ class SplitForwardWrapper(_Wrapper):
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         dm = ranks[0][1].diffusion_model
         floor = cp.floor(dm, topts, run.graphs)
-        shapes = (_shapes((x, c_concat, c_crossattn, *kwargs.items())), floor.get("min_tflop"), floor.get("min_tokens"))
+        # with graphs, also what the forward's Python depends on in its options (a kept graph serves the same only)
+        shapes = (_shapes((x, c_concat, c_crossattn, *kwargs.items())), floor.get("min_tflop"), floor.get("min_tokens"),
+                  options_key(topts) if run.graphs else None)
         if shapes in run.whole:  # a forward of these shapes ran whole for them: no other GPU's thread is started
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         # under torch.compile every GPU runs its model's forward uncompiled, through apply_model without the compile
@@ -500,9 +561,15 @@ class SplitForwardWrapper(_Wrapper):
             out, ctx = self._split(run, ranks, floor, dm, call, shapes if graphs else None)
         except NotResident as e:  # no graph can rely on where the weights are: the rest of the run without them
             with cp._lock:
-                run.graphs = False
+                again = run.inherited  # the last run's graphs: this run records its own from its next forward
+                run.graphs = again
+                run.inherited = False
                 run.pieces.clear()  # the graphs' memory goes
-            cp.say("graphs-moved", f"{e}: the rest of the run without CUDA graphs (short steps may then stay on one GPU)")
+            if again:
+                log.info("%s: %s since the last run: its CUDA graphs recorded again", NODE, e)
+            else:
+                cp.say("graphs-moved", f"{e}: the rest of the run without CUDA graphs (short steps may then stay on one "
+                       "GPU)")
             graphs = False
             out, ctx = self._split(run, ranks, floor, dm, call, None)
         except Exception as e:
@@ -697,6 +764,7 @@ class GraphWrapper:
             self.run.pieces[k] = pieces
             if ctx.rank == 0:  # forwards recorded, counted once
                 self.run.recorded += 1
+                self.run.inherited = False
             return out
         finally:
             if held is not None:
@@ -1034,6 +1102,9 @@ def install(m, cp: ContextParallel) -> None:
     m.add_wrapper_with_key(pe.WrappersMP.SAMPLER_SAMPLE, WRAPPER_KEY, RunWrapper(cp))
     m.remove_wrappers_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY)
     m.add_wrapper_with_key(pe.WrappersMP.OUTER_SAMPLE, WRAPPER_KEY, ShortRunWrapper(cp))
+    # the graphs kept from one run to the next go when ComfyUI unloads the model or a GPU's copy (their memory with them)
+    m.remove_callbacks_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY)
+    m.add_callback_with_key(pe.CallbacksMP.ON_DETACH, WRAPPER_KEY, cp.release)
     keep_pins_on(m)  # the GPUs' copies' offloaded weights stay pinned from run to run (nodes/loaded.py)
     wrappers = topts.setdefault("wrappers", {})
     rest = {k: v for k, v in wrappers.get(pe.WrappersMP.APPLY_MODEL, {}).items() if k != WRAPPER_KEY}

@@ -27,6 +27,9 @@ No ComfyUI here; the node decides which forwards replay (nodes/context_parallel.
 from __future__ import annotations
 
 import contextlib
+import types
+import uuid
+import weakref
 
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
@@ -123,6 +126,54 @@ def signature(args: tuple, kwargs: dict, topts: dict) -> tuple[tuple, list]:
 
     key = walk((tuple(args), dict(kwargs)))
     return key, tensors
+
+
+class Same:
+    """An object in a key, equal to the same object only, while it lives: a weak reference where the object takes one,
+    so that a key kept from one sampling run to the next neither keeps the object alive nor matches another one made
+    later at its address."""
+
+    __slots__ = ("_ref", "_hash")
+
+    def __init__(self, obj):
+        try:
+            self._ref = weakref.ref(obj)
+        except TypeError:  # no weak reference (a builtin's instance): held
+            self._ref = lambda: obj
+        self._hash = id(obj)
+
+    def __hash__(self):
+        return self._hash
+
+    def __eq__(self, other):
+        if not isinstance(other, Same) or other._hash != self._hash:
+            return False
+        obj = self._ref()
+        return obj is not None and obj is other._ref()
+
+    def __repr__(self):
+        return f"<same {type(self._ref()).__name__}>"
+
+
+def options_key(v):
+    """What a forward's Python may depend on in ``v`` (its ``transformer_options``), as a key: plain values as they are,
+    tensors by shape, dtype and device, containers walked, anything else (patches, wrappers, the attention override) by
+    identity (:class:`Same`; a bound method by its object and function).  Two sampling runs whose forwards have equal
+    keys run the same Python, where the objects behave alike from run to run.  The ids ComfyUI gives each run's conds
+    (``uuids``) count by number only."""
+    if isinstance(v, torch.Tensor):
+        return "T", tuple(v.shape), v.dtype, v.device
+    if v is None or isinstance(v, (bool, int, float, str, bytes, torch.dtype, torch.device)):
+        return v
+    if isinstance(v, uuid.UUID):
+        return "UUID"
+    if isinstance(v, (list, tuple)):
+        return type(v).__name__, tuple(options_key(x) for x in v)
+    if isinstance(v, dict):
+        return "dict", tuple((options_key(k), options_key(x)) for k, x in v.items())
+    if isinstance(v, types.MethodType):
+        return "method", Same(v.__self__), Same(v.__func__)
+    return Same(v)
 
 
 DEEPER = object()  # what a :func:`walk` function returns for a value it leaves to the walk

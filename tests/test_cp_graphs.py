@@ -447,3 +447,106 @@ def test_the_weights_ranges_are_held_as_few_ranges_and_let_go_on_any_failure():
         else:
             assert r.pin() is None
         assert a.pins == 0 and bad.pins == 0
+
+
+def _runs_said(caplog) -> list:
+    return [r.getMessage() for r in caplog.records if "forwards split" in r.getMessage()]
+
+
+def _cp(mod, m):
+    return m.wrappers["sampler_sample"][_node(mod).WRAPPER_KEY][0].cp
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_the_next_run_of_the_same_model_replays_the_last_runs_graphs_from_its_first_forward(zoo, caplog, n):
+    """ComfyUI keeps a model loaded from one prompt to the next: the next run (a new seed) replays the graphs the last
+    one recorded from its first forward, and its latent is the eager split's for that seed bit for bit."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    eager = [z.sample(graphed(mod, base, n, graphs=False), case, seed=s) for s in (1, 2)]
+    m = graphed(mod, base, n)
+    with caplog.at_level(logging.INFO, logger="patch_attention.parallel"), torch.inference_mode():
+        out = [z.sample(m, case, seed=s) for s in (1, 2)]
+    assert torch.equal(out[0], eager[0]) and torch.equal(out[1], eager[1])
+    said = _runs_said(caplog)
+    assert "3 of them replayed as CUDA graphs (1 recorded)" in said[0], said
+    assert "4 of them replayed as CUDA graphs (0 recorded)" in said[1], said
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("change", ["weight patch", "option", "another clone"])
+def test_a_run_with_other_patches_or_options_records_its_own_graphs(zoo, caplog, change):
+    """What a kept graph was recorded with must be what the next run runs: a weight patch added to the model (a LoRA), a
+    value changed in its transformer_options, or another clone of it sampled: the run records its own graphs (and
+    the last run's go), and its latent is the eager split's."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    n = 2
+    m = graphed(mod, base, n)
+    with torch.inference_mode():
+        z.sample(m, case, seed=1)
+    cp = _cp(mod, m)
+    assert cp.kept is not None
+    if change == "weight patch":
+        key = next(k for k in m.model_state_dict() if k.endswith("img_in.weight"))
+        m.add_patches({key: (torch.full_like(m.model_state_dict()[key], 0.01),)}, 1.0)
+    elif change == "option":
+        m.model_options["transformer_options"]["a_value_the_model_may_read"] = 1
+    else:
+        m = m.clone()
+    with caplog.at_level(logging.INFO, logger="patch_attention.parallel"), torch.inference_mode():
+        out = z.sample(m, case, seed=2)
+        cp.graphs = False
+        eager = z.sample(m, case, seed=2)
+    assert torch.equal(out, eager)
+    said = _runs_said(caplog)
+    assert "3 of them replayed as CUDA graphs (1 recorded)" in said[0], said
+
+
+@pytest.mark.comfyui
+def test_kept_graphs_go_when_comfyui_unloads_the_model(zoo):
+    """The graphs kept between runs hold GPU memory ComfyUI does not count: they go when ComfyUI unloads the model
+    (its ON_DETACH callback), and not when another model's patcher is unloaded."""
+    import comfy.model_management as mm
+
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    m = graphed(mod, base, 2)
+    with torch.inference_mode():
+        z.sample(m, case, seed=1)
+    cp = _cp(mod, m)
+    kept = cp.kept
+    assert kept is not None and kept.pieces
+    other, _ = _build(z, "Flux", None)
+    cp.release(other)
+    assert cp.kept is kept
+    mm.unload_all_models()
+    assert cp.kept is None and not kept.pieces
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [2, 3])
+def test_kept_graphs_of_weights_dynamic_vram_moved_since_are_recorded_again(zoo, caplog, n):
+    """Under ComfyUI's dynamic VRAM the weights' pages may be others by the next run (memory taken back between
+    prompts): its first forward finds the kept graphs stale, runs eagerly and the run records its own (rather than
+    running without graphs), the latent the eager split's."""
+    z, mod, _ = zoo
+    base, case = _build(z, "Flux", None)
+    eager = z.sample(graphed(mod, base, n, graphs=False), case, seed=2)
+    space = _Space(move_at=3 * n + 1)  # the last run: recorded and two replays; the next: other pages
+    m = graphed(mod, base, n)
+    _in_space(m, space)
+    try:
+        with caplog.at_level(logging.INFO, logger="patch_attention.parallel"), torch.inference_mode():
+            z.sample(m, case, seed=1)
+            out = z.sample(m, case, seed=2)
+    finally:
+        for mm in base.model.diffusion_model.modules():
+            mm.__dict__.pop("_v", None)
+    assert torch.equal(out, eager)
+    assert space.pins == 0
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "since the last run: its CUDA graphs recorded again" in said
+    assert "without CUDA graphs" not in said
+    assert "3 of them replayed as CUDA graphs (1 recorded)" in _runs_said(caplog)[1]

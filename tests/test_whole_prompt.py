@@ -45,7 +45,7 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("prompts")
     models = out / "models"
     rc = gpu_module("prompts").main(["--out", str(out), "--cpu", "--devices", "2", "--rounds", "1",
-                                      "--models", str(models), "--profile"])
+                                      "--models", str(models), "--profile", "--split-tflop", "graphs-pack=1.5"])
     res = json.load(open(out / "prompts.json"))
     assert rc == 0, [(p["mode"], p["error"]) for r in res["rows"] for p in r["prompts"] if not p["ok"]]
     return res, (out / "prompts-server.log").read_text(), str(models), out
@@ -136,3 +136,12 @@ def test_with_profile_every_samplers_run_in_the_server_is_profiled(run):
     for f in files:
         text = f.read_text()
         assert text.startswith("CFGGuider.sample: ") and "sample" in text and "function calls" in text, text[:300]
+
+
+def test_the_floors_asked_for_are_set_in_the_server_and_reported(run):
+    """--split-tflop sets the Context Parallel node's floors in ComfyUI's server (the others as they are), and the
+    report says so."""
+    res, _, _, out = run
+    floors = res["meta"]["split_tflop"]
+    assert floors["graphs-pack"] == 1.5 and floors["pack"] > 1.5
+    assert 'Context Parallel floors set to {"comfyui"' in (out / "prompts.md").read_text()

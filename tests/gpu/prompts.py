@@ -154,7 +154,8 @@ def _install_server_side() -> None:
 
     @srv.routes.post("/pa_prompts/setup")
     async def setup(request):
-        return web.json_response(_simulated_vae_devices() if os.environ.get("PA_PROMPTS_TINY") == "1" else {})
+        out = _simulated_vae_devices() if os.environ.get("PA_PROMPTS_TINY") == "1" else {}
+        return web.json_response({**out, **_split_floors()})
 
     if os.environ.get("PA_PROMPTS_PROFILE"):
         _profile_samplers(os.environ["PA_PROMPTS_PROFILE"])
@@ -200,15 +201,34 @@ def _profile_samplers(out: str) -> None:
     comfy.samplers.CFGGuider.sample = profiled
 
 
+def _pack():
+    """The pack's module in ComfyUI's server (loaded there as a custom node under a name of ComfyUI's choosing)."""
+    init = os.path.join(ROOT, "__init__.py")
+    return next(m for m in list(sys.modules.values()) if os.path.realpath(getattr(m, "__file__", None) or "") == init)
+
+
+def _split_floors() -> dict:
+    """--split-tflop: the Context Parallel node's floors (nodes/context_parallel.py SPLIT_TFLOP) set in the server for
+    this run, to measure whole prompts on sizes the node keeps on one GPU; the floors in force, or nothing."""
+    spec = os.environ.get("PA_PROMPTS_SPLIT_TFLOP", "")
+    if not spec:
+        return {}
+    cp = importlib.import_module(_pack().__name__ + ".nodes.context_parallel")
+    for item in spec.split(","):
+        kind, value = item.split("=")
+        if kind not in cp.SPLIT_TFLOP:
+            raise ValueError(f"--split-tflop: no floor {kind!r} (there are {', '.join(cp.SPLIT_TFLOP)})")
+        cp.SPLIT_TFLOP[kind] = float(value)
+    return {"split_tflop": dict(cp.SPLIT_TFLOP)}
+
+
 def _simulated_vae_devices() -> dict:
     """VAE Decode (several GPUs) on the CPU: its tiles over PA_SOAK_DEVICES threads (the pack's simulated devices,
     as its CPU tests run it), where it would otherwise decode on the one CPU."""
     import torch
 
     n = int(os.environ.get("PA_SOAK_DEVICES", "0"))
-    init = os.path.join(ROOT, "__init__.py")
-    name = next(k for k, m in list(sys.modules.items()) if os.path.realpath(getattr(m, "__file__", None) or "") == init)
-    vae = importlib.import_module(name + ".nodes.vae")
+    vae = importlib.import_module(_pack().__name__ + ".nodes.vae")
     if n > 1 and not getattr(vae.devices_for, "simulated", False):
         devices_for = vae.devices_for
 
@@ -384,13 +404,14 @@ class ServerLog:
         return [line for line in lines if any(k in line for k in self.KEEP)]
 
 
-def post(url: str, data: dict) -> None:
-    """A POST whose answer has no body (ComfyUI's /interrupt and /free)."""
+def post(url: str, data: dict):
+    """A POST: its answer's JSON, or None where it has no body (ComfyUI's /interrupt and /free)."""
     import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
-        r.read()
+        body = r.read()
+    return json.loads(body) if body.strip() else None
 
 
 def idle(soak, url: str, seconds: float) -> None:
@@ -582,7 +603,9 @@ def render(meta: dict, rows: list) -> str:
     lines = ["# Whole prompts through ComfyUI's server: one GPU against several", "",
              f"{meta['device']}, ComfyUI {meta['comfyui']}, torch {meta['torch']}, {meta['date']}; per workflow the "
              f"median of up to {meta['rounds']} prompts after a warm-up prompt, a new seed each, workflows "
-             f"{meta['order']}{'; ComfyUI started with ' + meta['server_args'] if meta.get('server_args') else ''}; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
+             f"{meta['order']}{'; ComfyUI started with ' + meta['server_args'] if meta.get('server_args') else ''}"
+             f"{'; Context Parallel floors set to ' + json.dumps(meta['split_tflop']) if meta.get('split_tflop') else ''}"
+             "; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
              "starts as ComfyUI announced them (sampling includes loading the model to the GPU).", "",
              "| row | workflow | prompts | s/prompt | text | sampling | s/step | VAE decode | save | other | "
              "one GPU / several |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -666,6 +689,9 @@ def arguments(argv):
                     help="remove the other rows' cached files when the disk is short")
     ap.add_argument("--cache-lru", type=int, default=0, help="ComfyUI's LRU cache of N outputs (0: its default)")
     ap.add_argument("--server-args", default="", help="more arguments for ComfyUI's main.py (e.g. --disable-dynamic-vram)")
+    ap.add_argument("--split-tflop", default="",
+                    help="KIND=TFLOP,...: the Context Parallel node's floors in the server (e.g. graphs-pack=1.2: "
+                         "Flux 1024² split with Patch Attention's kernels), to measure what the node keeps whole")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a prompt may take")
     ap.add_argument("--profile", action="store_true",
                     help="every sampler's run in the server under cProfile (its thread), the top functions in "
@@ -693,7 +719,7 @@ def bench(a, soak, url: str, base: str, comfyui: str, t_end: float) -> dict:
     ctx = {"meta": describe(a, comfyui), "rows": [], "seed": 0, "comfyui": comfyui,
            "log": ServerLog(os.path.join(a.out, "prompts-server.log"))}
     ctx["meta"]["state_at_start"] = soak.call(url + "/pa_soak/state")  # also: on the CPU, splits from 0 tokens
-    post(url + "/pa_prompts/setup", {})
+    ctx["meta"].update(post(url + "/pa_prompts/setup", {}) or {})
     ctx["cp_defaults"] = soak.node_inputs(url, "ContextParallel")
     if a.cpu:  # every row's tiny files at once: one ComfyUI import
         mf = model_files()
@@ -718,7 +744,8 @@ def main(argv=None) -> int:
     for folder in {s.folder for s in model_files().SPECS.values()}:
         os.makedirs(os.path.join(base, "models", folder))
     env = {"PA_PROMPTS": "1", "PA_PROMPTS_TINY": "1" if a.cpu else "0", "PYTHONUNBUFFERED": "1",
-           **({"PA_PROMPTS_PROFILE": os.path.abspath(a.out)} if a.profile else {})}
+           **({"PA_PROMPTS_PROFILE": os.path.abspath(a.out)} if a.profile else {}),
+           **({"PA_PROMPTS_SPLIT_TFLOP": a.split_tflop} if a.split_tflop else {})}
     proc, url = soak.launch(a, base, comfyui, os.path.join(a.out, "prompts-server.log"),
                             (["--cache-lru", str(a.cache_lru)] if a.cache_lru else []) + a.server_args.split(),
                             {"pa_prompts.py": __file__}, env)
