@@ -194,12 +194,13 @@ class ContextParallel:
         return self
 
     def release(self, patcher=None, unpatch_all: bool = True) -> None:
-        """The kept graphs let go (their memory with them), where ComfyUI unloads ``patcher``, one of those they were
-        recorded with (its ON_DETACH callback; ``unpatch_all`` False: the weights stay where they are, as at every
+        """The kept graphs let go (their memory with them), where ComfyUI unloads ``patcher``, a patcher of a model they
+        were recorded with (its ON_DETACH callback; ``unpatch_all`` False: the weights stay where they are, as at every
         sampling start, when ComfyUI takes a model out of its loaded list and loads it again), or always without one."""
         with self._lock:
             kept = self.kept
-            if kept is None or not unpatch_all or (patcher is not None and Same(patcher) not in kept.patchers):
+            if kept is None or not unpatch_all or \
+                    (patcher is not None and Same(getattr(patcher, "model", None)) not in kept.models):
                 return
             self.kept = None
         kept.pieces.clear()
@@ -352,19 +353,21 @@ class Kept:
     same (:func:`run_key`, :func:`~..parallel.graphs.options_key`) and the weights where they were, instead of running
     its first forward eagerly and recording its second.  ``pieces`` and ``split_shapes`` are the run's."""
 
-    __slots__ = ("key", "patchers", "pieces", "split_shapes")
+    __slots__ = ("key", "models", "pieces", "split_shapes")
 
-    def __init__(self, key, patchers, pieces, split_shapes):
-        self.key, self.patchers, self.pieces, self.split_shapes = key, patchers, pieces, split_shapes
+    def __init__(self, key, models, pieces, split_shapes):
+        self.key, self.models, self.pieces, self.split_shapes = key, models, pieces, split_shapes
 
 
 def run_key(patchers: list, groups: list, inference: bool):
     """What the graphs of a run on ``groups`` (sampled through ``patchers``: the sampled model and its GPUs' copies)
-    are recorded with beyond each forward's options: the patchers and their weight patches (a LoRA changed), the
-    GPUs' models.  None where a run's graphs are not kept: hooks that change the weights during a run."""
+    are recorded with beyond each forward's options: each patcher's model, weight patches (a LoRA changed) and object
+    patches, the GPUs' models.  Not the patchers themselves: ComfyUI makes the GPUs' copies' patchers anew at each
+    run, over the same models.  None where a run's graphs are not kept: hooks that change the weights during a run."""
     if any(getattr(p, "hook_patches", None) or getattr(p, "forced_hooks", None) for p in patchers):
         return None
-    return (tuple((Same(p), getattr(p, "patches_uuid", None)) for p in patchers),
+    return (tuple((Same(p.model), getattr(p, "patches_uuid", None), options_key(getattr(p, "object_patches", None)))
+                  for p in patchers),
             tuple((d, Same(m)) for g in groups for d, m in g), inference)
 
 
@@ -390,7 +393,7 @@ class Run:
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
         self.recorded = 0  # forwards recorded as CUDA graphs
         self.key = None  # run_key: the run's graphs are kept for the next run (None: not)
-        self.patchers = ()  # (Same) the patchers of the run, whose unloading lets its kept graphs go
+        self.models = ()  # (Same) the models of the run's patchers, whose unloading lets its kept graphs go
         self.inherited = False  # the pieces are the last run's (Kept), none recorded in this run yet
         self.residency = {}  # id(diffusion model) -> its weights in dynamic VRAM (parallel.graphs.Residency), or None
 
@@ -418,7 +421,7 @@ class Run:
             w.shutdown(wait=True)
         if self.graphs and self.key is not None and self.pieces:
             with cp._lock:
-                cp.kept = Kept(self.key, self.patchers, self.pieces, self.split_shapes)
+                cp.kept = Kept(self.key, self.models, self.pieces, self.split_shapes)
         else:
             self.pieces.clear()  # the graphs' memory goes with the run
 
@@ -472,7 +475,7 @@ class RunWrapper(_Wrapper):
                 log.info("%s: no CUDA graphs in this run: %s", NODE, why)
             patchers = [p for p in (getattr(guider, "model_patcher", None), *clones.values()) if p is not None]
             run.key = run_key(patchers, groups, run.inference) if run.graphs else None
-            run.patchers = tuple(Same(p) for p in patchers)
+            run.models = tuple(Same(p.model) for p in patchers)
             run.take(cp)
         prev, cp.run = cp.run, run
         undo = []

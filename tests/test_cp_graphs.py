@@ -475,11 +475,11 @@ def test_the_next_run_of_the_same_model_replays_the_last_runs_graphs_from_its_fi
 
 
 @pytest.mark.comfyui
-@pytest.mark.parametrize("change", ["weight patch", "option", "another clone"])
+@pytest.mark.parametrize("change", ["weight patch", "option", "object patch", "a plain clone"])
 def test_a_run_with_other_patches_or_options_records_its_own_graphs(zoo, caplog, change):
     """What a kept graph was recorded with must be what the next run runs: a weight patch added to the model (a LoRA), a
-    value changed in its transformer_options, or another clone of it sampled: the run records its own graphs (and
-    the last run's go), and its latent is the eager split's."""
+    value changed in its transformer_options, or a clone with an object patch sampled: the run records its own graphs
+    (and the last run's go); a clone with nothing changed replays them.  The latent is the eager split's."""
     z, mod, _ = zoo
     base, case = _build(z, "Flux", None)
     n = 2
@@ -493,6 +493,9 @@ def test_a_run_with_other_patches_or_options_records_its_own_graphs(zoo, caplog,
         m.add_patches({key: (torch.full_like(m.model_state_dict()[key], 0.01),)}, 1.0)
     elif change == "option":
         m.model_options["transformer_options"]["a_value_the_model_may_read"] = 1
+    elif change == "object patch":
+        m = m.clone()
+        m.add_object_patch("diffusion_model.final_layer", m.model.diffusion_model.final_layer)
     else:
         m = m.clone()
     with caplog.at_level(logging.INFO, logger="patch_attention.parallel"), torch.inference_mode():
@@ -501,7 +504,9 @@ def test_a_run_with_other_patches_or_options_records_its_own_graphs(zoo, caplog,
         eager = z.sample(m, case, seed=2)
     assert torch.equal(out, eager)
     said = _runs_said(caplog)
-    assert "3 of them replayed as CUDA graphs (1 recorded)" in said[0], said
+    want = "4 of them replayed as CUDA graphs (0 recorded)" if change == "a plain clone" else \
+        "3 of them replayed as CUDA graphs (1 recorded)"
+    assert want in said[0], said
 
 
 @pytest.mark.comfyui
@@ -550,3 +555,32 @@ def test_kept_graphs_of_weights_dynamic_vram_moved_since_are_recorded_again(zoo,
     assert "since the last run: its CUDA graphs recorded again" in said
     assert "without CUDA graphs" not in said
     assert "3 of them replayed as CUDA graphs (1 recorded)" in _runs_said(caplog)[1]
+
+
+@pytest.mark.comfyui
+def test_kept_graphs_serve_the_next_run_through_comfyuis_own_copies_for_each_device(zoo, monkeypatch, caplog):
+    """Through ComfyUI's MultiGPU copies (two devices as ComfyUI sees them; not simulated ranks), which ComfyUI gives
+    new patchers at every run over the same models: the next run still replays the last one's graphs from its first
+    forward, and its latent is the eager split's."""
+    import comfy.model_management as mm
+    from comfyui_support import sample as sample_flux
+    from comfyui_support import tiny_flux
+
+    _, mod, _ = zoo
+    node = _node(mod)
+    devs = [torch.device("cpu"), torch.device("cpu", 1)]
+    monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
+    try:
+        m = node.context_parallel(tiny_flux(), gpus=0, min_tokens=0)
+        cp = _cp(mod, m)
+        cp.graph_type = RecordedGraph
+        with caplog.at_level(logging.INFO, logger="patch_attention.parallel"), torch.inference_mode():
+            out = [sample_flux(m, seed=s) for s in (1, 2)]
+            cp.graphs = False
+            eager = sample_flux(m, seed=2)
+    finally:
+        mm.unload_all_models()
+    assert torch.equal(out[1], eager)
+    said = _runs_said(caplog)
+    assert "over 2 GPUs, 3 of them replayed as CUDA graphs (1 recorded)" in said[0], said
+    assert "over 2 GPUs, 4 of them replayed as CUDA graphs (0 recorded)" in said[1], said

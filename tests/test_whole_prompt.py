@@ -45,7 +45,8 @@ def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("prompts")
     models = out / "models"
     rc = gpu_module("prompts").main(["--out", str(out), "--cpu", "--devices", "2", "--rounds", "1",
-                                      "--models", str(models), "--profile", "--split-tflop", "graphs-pack=1.5"])
+                                      "--models", str(models), "--profile", "--split-tflop", "graphs-pack=1.5",
+                                      "--inputs", "PatchAttention.check_finite=false"])
     res = json.load(open(out / "prompts.json"))
     assert rc == 0, [(p["mode"], p["error"]) for r in res["rows"] for p in r["prompts"] if not p["ok"]]
     return res, (out / "prompts-server.log").read_text(), str(models), out
@@ -145,3 +146,12 @@ def test_the_floors_asked_for_are_set_in_the_server_and_reported(run):
     floors = res["meta"]["split_tflop"]
     assert floors["graphs-pack"] == 1.5 and floors["pack"] > 1.5
     assert 'Context Parallel floors set to {"comfyui"' in (out / "prompts.md").read_text()
+
+
+def test_an_input_asked_for_is_set_in_both_workflows_of_every_row_that_has_the_node(run):
+    """--inputs sets a node's input in the one-GPU and several-GPU workflows alike (they still differ nowhere else),
+    and the report says so."""
+    res, _, _, out = run
+    assert res["meta"]["inputs"] == {"PatchAttention.check_finite": False}
+    assert all(not r.get("differences") for r in res["rows"])
+    assert '; the workflows with {"PatchAttention.check_finite": false}' in (out / "prompts.md").read_text()

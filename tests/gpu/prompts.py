@@ -290,11 +290,26 @@ def differences(one: dict, several: dict) -> list[str]:
     return [f"node {k}: {a.get(k)} / {b.get(k)}" for k in sorted(set(a) | set(b), key=int) if a.get(k) != b.get(k)]
 
 
-def workflows(row: Row, cp_defaults: dict) -> tuple[dict, list]:
-    """({"one": workflow, "several": workflow}, their differences beyond the several-GPU nodes)."""
+def with_inputs(wf: dict, inputs: dict) -> dict:
+    """``wf`` with ``inputs`` ({(node class, input): value}) set on every node of that class it has; a clear error
+    where such a node lacks the input (the template changed)."""
+    wf = copy.deepcopy(wf)
+    for (cls, name), value in inputs.items():
+        for v in (v for v in wf.values() if v["class_type"] == cls):
+            if name not in v["inputs"]:
+                raise ValueError(f"--inputs: the workflow's {cls} node has no input {name!r}")
+            v["inputs"][name] = value
+    return wf
+
+
+def workflows(row: Row, cp_defaults: dict, inputs: dict | None = None) -> tuple[dict, list]:
+    """({"one": workflow, "several": workflow}, their differences beyond the several-GPU nodes); ``inputs`` (see
+    :func:`with_inputs`) set in both."""
     several = load_workflow(row.several) if row.several else None
     one = load_workflow(row.one) if row.one else without_multigpu(several)
     several = several or with_context_parallel(one, cp_defaults)
+    if inputs:
+        one, several = with_inputs(one, inputs), with_inputs(several, inputs)
     return {"one": one, "several": several}, differences(one, several)
 
 
@@ -516,7 +531,7 @@ def run_row(a, soak, url: str, base: str, name: str, t_end: float, ctx: dict) ->
         return res
     if ctx["rows"][:-1]:
         free(soak, url)
-    wfs, res["differences"] = workflows(row, ctx["cp_defaults"])
+    wfs, res["differences"] = workflows(row, ctx["cp_defaults"], a.inputs)
     res["workflows"] = {"one": row.one or f"{row.several} without its several-GPU nodes",
                         "several": row.several or f"{row.one} with Context Parallel before the sampler"}
     names = {tpl: model_files().SPECS[n].file for tpl, n in row.files.items()}
@@ -605,6 +620,7 @@ def render(meta: dict, rows: list) -> str:
              f"median of up to {meta['rounds']} prompts after a warm-up prompt, a new seed each, workflows "
              f"{meta['order']}{'; ComfyUI started with ' + meta['server_args'] if meta.get('server_args') else ''}"
              f"{'; Context Parallel floors set to ' + json.dumps(meta['split_tflop']) if meta.get('split_tflop') else ''}"
+             f"{'; the workflows with ' + json.dumps(meta['inputs']) if meta.get('inputs') else ''}"
              "; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
              "starts as ComfyUI announced them (sampling includes loading the model to the GPU).", "",
              "| row | workflow | prompts | s/prompt | text | sampling | s/step | VAE decode | save | other | "
@@ -692,6 +708,9 @@ def arguments(argv):
     ap.add_argument("--split-tflop", default="",
                     help="KIND=TFLOP,...: the Context Parallel node's floors in the server (e.g. graphs-pack=1.2: "
                          "Flux 1024² split with Patch Attention's kernels), to measure what the node keeps whole")
+    ap.add_argument("--inputs", default="",
+                    help="CLASS.INPUT=JSON,...: an input set on every node of that class in both workflows (e.g. "
+                         "PatchAttention.log_stats=false)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a prompt may take")
     ap.add_argument("--profile", action="store_true",
                     help="every sampler's run in the server under cProfile (its thread), the top functions in "
@@ -701,6 +720,7 @@ def arguments(argv):
     a = ap.parse_args(argv)
     a.rows = [r for r in a.rows.split(",") if r]
     a.steps = {k: int(v) for k, v in (x.split("=") for x in a.steps.split(",") if x)}
+    a.inputs = {tuple(k.split(".", 1)): json.loads(v) for k, v in (x.split("=", 1) for x in a.inputs.split(",") if x)}
     unknown = [r for r in a.rows + list(a.steps) if r not in ROWS]
     if unknown:
         ap.error(f"unknown rows: {', '.join(unknown)}")
@@ -711,7 +731,7 @@ def arguments(argv):
 def describe(a, comfyui: str) -> dict:
     return {**load_soak().machine(a, comfyui), "date": datetime.date.today().isoformat(),
             "rounds": a.rounds, "order": a.order, "limit": a.limit, "models": a.models, "cpu": a.cpu,
-            "server_args": a.server_args,
+            "server_args": a.server_args, "inputs": {".".join(k): v for k, v in a.inputs.items()},
             "warmup_steps": a.warmup_steps, "cache": f"LRU {a.cache_lru}" if a.cache_lru else "ComfyUI's default"}
 
 

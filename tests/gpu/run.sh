@@ -169,7 +169,8 @@
 #                  run), PROMPTS_STEPS=ROW=N (fewer steps, the row's extrapolated; Wan 2.1 at 20 steps does not fit a
 #                  call), PROMPTS_WARMUP_STEPS, PROMPTS_ORDER (grouped, the default, or alternate), PROMPTS_PROFILE=1 (each
 #                  sampler's run in the server under cProfile: profile-<n>.txt), PROMPTS_SPLIT_TFLOP=graphs-pack=1.2 (the
-#                  Context Parallel node's floors in the server: sizes it keeps whole, split); s/prompt, the ratio and where the time
+#                  Context Parallel node's floors in the server: sizes it keeps whole, split), PROMPTS_INPUTS=
+#                  PatchAttention.log_stats=false (an input set in both workflows); s/prompt, the ratio and where the time
 #                  went in prompts.md and prompts.json
 #                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
@@ -635,7 +636,7 @@ stage_prompts() {  # whole prompts, one GPU against several: one row per call in
     --rounds "${PROMPTS_ROUNDS:-2}" --limit "$limit" --models "${PROMPTS_MODELS:-/root/pa-models}" \
     ${PROMPTS_STEPS:+--steps "$PROMPTS_STEPS"} ${PROMPTS_WARMUP_STEPS:+--warmup-steps "$PROMPTS_WARMUP_STEPS"} \
     ${PROMPTS_ORDER:+--order "$PROMPTS_ORDER"} ${PROMPTS_PROFILE:+--profile} ${PROMPTS_SERVER_ARGS:+--server-args="$PROMPTS_SERVER_ARGS"} \
-    ${PROMPTS_SPLIT_TFLOP:+--split-tflop "$PROMPTS_SPLIT_TFLOP"} \
+    ${PROMPTS_SPLIT_TFLOP:+--split-tflop "$PROMPTS_SPLIT_TFLOP"} ${PROMPTS_INPUTS:+--inputs "$PROMPTS_INPUTS"} \
     > "$OUT/prompts.txt" 2>&1
   local rc=$?
   echo "tests/gpu/prompts.py exit status $rc; every prompt in prompts.txt and prompts.md, ComfyUI's log in prompts-server.log"
