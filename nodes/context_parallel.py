@@ -217,11 +217,11 @@ class ContextParallel:
                     w = self._work[dm] = self.unit.work(dm)
         return w if w.params else None
 
-    def floor(self, dm, topts: dict, graphs: bool = False) -> dict:
+    def floor(self, dm, topts: dict, graphs: bool = False, dynamic: bool = False) -> dict:
         """The floor of a forward of ``dm`` whose ``transformer_options`` are ``topts``, as :class:`Group` arguments:
         the token floor where one is set, else ``dm``'s work floor for the attention the forward runs
         (:func:`attention_of`), or, where its run replays split forwards as CUDA graphs (``graphs``), the floor for
-        graphs."""
+        graphs (``dynamic``: the model's weights in ComfyUI's dynamic VRAM, :func:`graphs_floor`)."""
         if self.min_tokens is not None:
             return {"min_tokens": self.min_tokens}
         work = self.work(dm)
@@ -229,7 +229,7 @@ class ContextParallel:
             return {}
         kind, name = attention_of(topts)
         if graphs:  # per attention call: what a replay's host work grows with
-            return {"work": work, "min_tflop": SPLIT_TFLOP[f"graphs-{kind}"] * self.unit.calls_per_block,
+            return {"work": work, "min_tflop": graphs_floor(self.unit, kind, dynamic) * self.unit.calls_per_block,
                     "attention": name}
         return {"work": work, "min_tflop": SPLIT_TFLOP[kind], "attention": name}
 
@@ -241,10 +241,11 @@ class ContextParallel:
         return (self.graphs and self.unit.graphs and getattr(device, "type", None) == "cuda"
                 and not (self.graph_type is None and _async_allocator()))
 
-    def steps(self, dm) -> tuple[str, str]:
+    def steps(self, dm, dynamic: bool = False) -> tuple[str, str]:
         """Which steps of ``dm`` split, for the node's note: (which steps, what changes that), e.g. ("each step of
         13,000 tokens or more", " (20,000 or more with Patch Attention's kernels)"); the tokens of the whole sequence
-        (text tokens held whole by every GPU counted with the split ones)."""
+        (text tokens held whole by every GPU counted with the split ones).  ``dynamic``: the model's weights are in
+        ComfyUI's dynamic VRAM."""
         if self.min_tokens is not None:
             return (f"each step of {self.min_tokens:,} tokens or more" if self.min_tokens else "each step"), ""
         work = self.work(dm)
@@ -255,12 +256,15 @@ class ContextParallel:
         no_graphs_here = graphs_on and self.graph_type is None and _async_allocator()
         if graphs_on and not no_graphs_here:  # replayed as CUDA graphs where the weights stay put
             calls = self.unit.calls_per_block
-            graphs = work.tokens_for(SPLIT_TFLOP["graphs-pack"] * calls)
-            comfy = work.tokens_for(SPLIT_TFLOP["graphs-comfyui"] * calls)
+            graphs = work.tokens_for(graphs_floor(self.unit, "pack", dynamic) * calls)
+            comfy = work.tokens_for(graphs_floor(self.unit, "comfyui", dynamic) * calls)
+            static = work.tokens_for(graphs_floor(self.unit, "pack") * calls)
+            loader = f", {static:,} with ComfyUI started with --disable-dynamic-vram" if static < graphs else ""
             if _host_attention()[0] != "comfyui":
-                return f"each step of {graphs:,} tokens or more", f" ({pack:,} or more{MOVED})"
+                return f"each step of {graphs:,} tokens or more", f" ({loader[2:]}; {pack:,} or more{MOVED})" \
+                    if loader else f" ({pack:,} or more{MOVED})"
             return (f"each step of {comfy:,} tokens or more",
-                    f" ({graphs:,} or more with Patch Attention's kernels; {pack:,} or more{MOVED})")
+                    f" ({graphs:,} or more with Patch Attention's kernels{loader}; {pack:,} or more{MOVED})")
         if no_graphs_here:  # what ComfyUI's allocator keeps from them
             kind = "graphs-comfyui" if _host_attention()[0] == "comfyui" else "graphs-pack"
             graphs = work.tokens_for(SPLIT_TFLOP[kind] * self.unit.calls_per_block)
@@ -284,7 +288,7 @@ class ContextParallel:
         if most is None:
             return ""
         group = Group(["cpu"] * (1 + len(patcher.get_additional_models_with_key("multigpu"))),
-                      **self.floor(dm, topts, self.graphs_possible(patcher)))
+                      **self.floor(dm, topts, self.graphs_possible(patcher), _dynamic(patcher)))
         ctx = RankContext(group, 0, self.unit)
         return "" if ctx.start(most[0], prefix=most[1]) else ctx.why
 
@@ -395,6 +399,7 @@ class Run:
         self.key = None  # run_key: the run's graphs are kept for the next run (None: not)
         self.models = ()  # (Same) the models of the run's patchers, whose unloading lets its kept graphs go
         self.inherited = False  # the pieces are the last run's (Kept), none recorded in this run yet
+        self.dynamic = False  # the model's weights are in ComfyUI's dynamic VRAM (graphs_floor)
         self.residency = {}  # id(diffusion model) -> its weights in dynamic VRAM (parallel.graphs.Residency), or None
 
     def patch_models(self, unit, undo: list) -> None:
@@ -476,6 +481,7 @@ class RunWrapper(_Wrapper):
             patchers = [p for p in (getattr(guider, "model_patcher", None), *clones.values()) if p is not None]
             run.key = run_key(patchers, groups, run.inference) if run.graphs else None
             run.models = tuple(Same(p.model) for p in patchers)
+            run.dynamic = any(_dynamic(p) for p in patchers)
             run.take(cp)
         prev, cp.run = cp.run, run
         undo = []
@@ -544,7 +550,7 @@ class SplitForwardWrapper(_Wrapper):
             cp.say(why, f"a forward runs on one GPU: {why}", show=True)
             return executor(x, t, c_concat, c_crossattn, control, topts, **kwargs)
         dm = ranks[0][1].diffusion_model
-        floor = cp.floor(dm, topts, run.graphs)
+        floor = cp.floor(dm, topts, run.graphs, run.dynamic)
         # with graphs, also what the forward's Python depends on in its options (a kept graph serves the same only)
         shapes = (_shapes((x, c_concat, c_crossattn, *kwargs.items())), floor.get("min_tflop"), floor.get("min_tokens"),
                   options_key(topts) if run.graphs else None)
@@ -937,6 +943,23 @@ class OneGpuNotice(SharedWrapper):
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI offloads part of the weights"
 
+
+def graphs_floor(unit, kind: str, dynamic: bool = False) -> float:
+    """The floor (TFLOP a call) of a run of ``unit``'s family replaying its split forwards as CUDA graphs, for the
+    attention it runs (``kind``), its model's weights in ComfyUI's dynamic VRAM or not (``dynamic``): the family's own
+    floors (``Unit.floors``) where it has them, else :data:`SPLIT_TFLOP`'s."""
+    floors = {**SPLIT_TFLOP, **getattr(unit, "floors", {})}
+    key = f"graphs-{kind}"
+    return floors.get(key + "-dynamic", floors[key]) if dynamic else floors[key]
+
+
+def _dynamic(patcher) -> bool:
+    """Whether ``patcher``'s weights are in ComfyUI's dynamic VRAM (comfy-aimdo; ComfyUI 0.33's default where it runs)."""
+    try:
+        return bool(patcher.is_dynamic())
+    except Exception:  # before ComfyUI 0.33, or a stand-in
+        return False
+
 # Split forwards of the families that offer it (Unit.graphs) replay as CUDA graphs (ContextParallel(graphs=) overrides),
 # those with less work per block than this (TFLOP): above it a split keeps the GPUs busy without them. Wan 2.1 1.3B
 # 480p on 2x H200, every forward split: 33 frames (2.4) x1.70 with graphs against x1.50 without (sage_fp8_sm90 x1.17
@@ -980,7 +1003,7 @@ def split_model(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0,
     if min_tokens is None:
         min_tokens = 0 if simulate else MIN_SPLIT_TOKENS
     cp = ContextParallel(unit, cfg_split, simulate, min_tokens, node=executing_node())
-    steps, otherwise = cp.steps(model.model.diffusion_model)
+    steps, otherwise = cp.steps(model.model.diffusion_model, _dynamic(model))
     cp.note = (f"{unit.name}: {steps} split over {n} GPUs{otherwise}"
                + ("; above CFG 1, each prompt on half of them." if cfg_split else "."))
     install(m, cp)

@@ -986,7 +986,9 @@ def test_the_node_says_on_the_canvas_why_it_does_not_split_here(node_on, monkeyp
         mod, _ = load_pack()
         cpn, dm = _cpn(mod), flux.model.diffusion_model
         work = importlib.import_module(mod.__name__ + ".parallel.families").unit_for(dm).work(dm)
-        a, b, c = (work.tokens_for(cpn.SPLIT_TFLOP[k]) for k in ("graphs-comfyui", "graphs-pack", "pack"))
+        unit = importlib.import_module(mod.__name__ + ".parallel.families").unit_for(dm)
+        a, b = (work.tokens_for(cpn.graphs_floor(unit, k)) for k in ("comfyui", "pack"))
+        c = work.tokens_for(cpn.SPLIT_TFLOP["pack"])
         # Flux replays its split forwards as CUDA graphs: their floors, and the highest where the weights move
         moved = f"{c:,} or more where ComfyUI offloads part of the weights"
         steps = (f"each step of {a:,} tokens or more split over 2 GPUs ({b:,} or more with Patch Attention's kernels; "

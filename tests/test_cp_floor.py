@@ -254,9 +254,38 @@ def test_every_size_measured_with_graphs_is_on_its_side_of_their_floor(comfy_pac
     hooks = {"comfyui": {}, "pack": {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}}
     for kind, ratio in (("comfyui", comfyui), ("pack", pack)):
         floor = cp.floor(dm, hooks[kind], graphs=True)
-        assert floor["min_tflop"] == cpn.SPLIT_TFLOP[f"graphs-{kind}"] * unit.calls_per_block < cpn.SPLIT_TFLOP[kind]
+        assert floor["min_tflop"] == cpn.graphs_floor(unit, kind) * unit.calls_per_block < cpn.SPLIT_TFLOP[kind]
         split = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(tokens, prefix=prefix)
         assert split if ratio >= CLEARLY else (not split if ratio < PAYS else True), (kind, ratio, split)
+
+
+# whole prompts through ComfyUI's server (tests/gpu/prompts.py, 20 steps, Patch Attention's auto, graphs kept from
+# prompt to prompt): (preset, tokens, weights in dynamic VRAM, one GPU's s/prompt over the split's)
+MEASURED_PROMPTS = [("flux-dev", 4608, False, 1.43), ("flux-dev", 4608, True, 0.90)]
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name, total, dynamic, ratio", MEASURED_PROMPTS,
+                         ids=[f"{m[0]}-{'dynamic' if m[2] else 'static'}" for m in MEASURED_PROMPTS])
+def test_every_whole_prompt_measured_is_on_its_side_of_the_floor_for_its_weights(comfy_pack, monkeypatch, name, total,
+                                                                                  dynamic, ratio):
+    """Where the model's weights stay put, Flux 1024² split with Patch Attention's kernels gained a whole prompt; under
+    ComfyUI's dynamic VRAM (each prompt reloads them) it lost: the floor for its weights keeps it on its side."""
+    import comfy.ldm.modules.attention as comfy_attention
+
+    mod = comfy_pack
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    G = importlib.import_module(mod.__name__ + ".parallel.group")
+    C = importlib.import_module(mod.__name__ + ".parallel.context")
+    preset, dm, unit = _preset(mod, name)
+    tokens, prefix = _tokens(preset)
+    assert tokens + prefix == total
+    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
+    cp = cpn.ContextParallel(unit, min_tokens=None)
+    floor = cp.floor(dm, {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}, graphs=True,
+                     dynamic=dynamic)
+    split = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(tokens, prefix=prefix)
+    assert split if ratio >= 1.2 else not split, (ratio, split)
 
 
 @pytest.mark.comfyui
@@ -457,3 +486,31 @@ def test_the_note_says_what_graphs_need_under_cudas_async_allocator(comfy_pack, 
                             f"{tokens['graphs-comfyui']:,} with ComfyUI started with --disable-cuda-malloc, its steps "
                             "replayed as CUDA graphs)")
     assert not cp.graphs_possible(types.SimpleNamespace(load_device=torch.device("cuda", 0)))
+
+
+@pytest.mark.comfyui
+def test_the_note_gives_the_floor_for_the_models_weights_and_what_lowers_it(comfy_pack, monkeypatch):
+    """Flux's own floor with Patch Attention's kernels is higher where its weights are in ComfyUI's dynamic VRAM: the
+    node's note gives the one for the model it got, and under dynamic VRAM from how many tokens a step would split with
+    ComfyUI started with --disable-dynamic-vram."""
+    import comfy.ldm.modules.attention as comfy_attention
+
+    mod = comfy_pack
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    _, dm, unit = _preset(mod, "flux-dev")
+    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
+    cp = cpn.ContextParallel(unit, min_tokens=None)
+    work = cp.work(dm)
+    comfy, static, dynamic, moved = (work.tokens_for(t) for t in (
+        cpn.SPLIT_TFLOP["graphs-comfyui"], unit.floors["graphs-pack"], unit.floors["graphs-pack-dynamic"],
+        cpn.SPLIT_TFLOP["pack"]))
+    assert comfy <= static < 4608 < dynamic  # Flux 1024² splits with the pack's kernels where the weights stay put
+    assert cp.steps(dm) == (f"each step of {comfy:,} tokens or more",
+                            f" ({static:,} or more with Patch Attention's kernels; {moved:,} or more where ComfyUI "
+                            "offloads part of the weights)")
+    assert cp.steps(dm, dynamic=True) == (
+        f"each step of {comfy:,} tokens or more",
+        f" ({dynamic:,} or more with Patch Attention's kernels, {static:,} with ComfyUI started with "
+        f"--disable-dynamic-vram; {moved:,} or more where ComfyUI offloads part of the weights)")
+    assert cpn._dynamic(types.SimpleNamespace(is_dynamic=lambda: True))
+    assert not cpn._dynamic(types.SimpleNamespace())

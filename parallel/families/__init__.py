@@ -21,6 +21,8 @@ Interface (:class:`Unit`):
   the model computes between its attention calls and the unit's exchanges depends on the forward's tensors and shapes
   alone, never on a per-step Python value; ``calls_per_block`` (default 1): its blocks' attention calls, each of which a
   replay still runs on the host (the floor for graphs is per call; a call that exchanges nothing may count less);
+  ``floors`` (optional): the family's own floors where measured apart from the node's (nodes/context_parallel.py
+  ``SPLIT_TFLOP``, same keys; ``graphs-pack-dynamic``: with its weights in ComfyUI's dynamic VRAM);
 - ``shared_linears`` (optional, default ``("mod",)``): substrings of the qualified names of the block lists'
   ``Linear`` modules that do not run once per token of the split sequence (modulation from the timestep, the text
   stream, cross-attention's keys and values over the text): left out of the model's work;
@@ -53,6 +55,7 @@ class Unit:
     shared_linears: tuple = ("mod",)
     graphs = False  # its split forwards may replay as CUDA graphs (parallel/graphs.py)
     calls_per_block = 1.0  # attention calls in a block: what a replayed forward's host work grows with
+    floors: dict = {}  # the family's own split floors (TFLOP), over the node's SPLIT_TFLOP
 
     def block_keys(self, dm) -> list:
         raise NotImplementedError

@@ -190,7 +190,8 @@ EXPLAIN = {
     ("PatchAttention", "start_percent"): "the part of the sampling schedule (0-1) that uses the kernel",
     ("PatchAttention", "end_percent"): None,  # explained with start_percent
     ("PatchAttention", "dense_layers"): "layers kept exact, e.g. '0-3, 10' (empty: none)",
-    ("PatchAttention", "log_stats"): "after each run the terminal lists which kernel ran, per kind of call",
+    ("PatchAttention", "log_stats"): "on, after each run the terminal lists which kernel ran, per kind of call; it "
+                                     "times every call, which slows a step split over several GPUs",
     ("PatchAttention", "auto_retune"): "auto uses what it measured before on this GPU unless on",
     ("PatchAttention", "auto_min_cos"): "how close to exact attention auto must stay (cosine similarity, relative L1 "
                                         "error); 0: the chosen auto's own limits (auto 0.999 / 0.039)",
@@ -327,7 +328,7 @@ GROUPS = [("Load", 0), ("Prompt and latent", 2), ("Patch attention", 1), ("Sampl
 
 
 def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
-    pw = patch_widgets(log_stats=True)
+    pw = patch_widgets()
     return {
         "groups": GROUPS,
         "nodes": [
@@ -347,7 +348,7 @@ def sd_graph(ckpt, size, steps, cfg, sampler, scheduler, prompt):
 
 
 def flux_graph():
-    pw = patch_widgets(log_stats=True)
+    pw = patch_widgets()
     return {
         "groups": [GROUPS[i] for i in (0, 2, 1, 3)],
         "nodes": [
@@ -394,7 +395,7 @@ WAN_SAMPLING = ("30 uni_pc steps, cfg 6 and shift 8 are ComfyUI's own Wan 2.1 ex
 
 
 def wan_graph():
-    pw = patch_widgets(log_stats=True)
+    pw = patch_widgets()
     return {
         "groups": GROUPS,
         "nodes": [
