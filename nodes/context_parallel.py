@@ -936,10 +936,12 @@ class OneGpuNotice(SharedWrapper):
 #
 # The floor is per attention call of a block (Unit.calls_per_block), each of which a replay still runs on the host:
 # Wan's blocks make two, self-attention (exchanged) and cross-attention (not: counted as half a call), so Wan 2.1 1.3B
-# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2). Flux at 1024² now pays
-# step by step with Patch Attention's kernels too (x1.13-1.57), but a whole 20-step prompt through ComfyUI's server ran
-# x0.88 split (2x H200, --disable-cuda-malloc): each sampling run records its graphs again, its first forward eager: the
-# floor stays where it is until graphs outlive a run.
+# at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2). Flux at 1024² pays
+# step by step with Patch Attention's kernels too (x1.13-1.57), and a whole 20-step prompt through ComfyUI's server,
+# with each run's graphs kept for the next (Kept), ran x1.50 (2x H200, --disable-cuda-malloc --disable-dynamic-vram):
+# Flux's unit sets its own floor for them (parallel/families/flux.py), below Wan's 33 frames, which did not pay.
+# Under ComfyUI's dynamic VRAM the same prompt ran x0.90 (each prompt loads the weights again and the first GPU records
+# its graphs again): the unit's floor there keeps Flux 1024² on one GPU.
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI offloads part of the weights"
 
