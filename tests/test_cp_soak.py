@@ -26,8 +26,10 @@ def test_a_round_of_prompts_through_the_server_fails_none_and_runs_both_multigpu
     soak = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(soak)
     rc = soak.main(["--out", str(tmp_path), "--cpu", "--devices", "2", "--prompts", "12", "--backends", "sdpa,sdpa_math",
-                    "--size", "96x96x5"])
+                    "--size", "96x96x5", "--server-args=--disable-cuda-malloc"])
     res = json.load(open(tmp_path / "soak.json"))
+    assert res["meta"]["server_args"] == "--disable-cuda-malloc"  # what the GPU stage starts ComfyUI with for graphs
+    assert res["verdict"]["split_runs"] > 0  # the Context Parallel prompts split (the soak's model is below every floor)
     assert rc == 0 and res["verdict"]["failed"] == 0 and res["verdict"]["flat"], res["verdict"]
     assert [(r["mode"], r["cfg"]) for r in res["prompts"][:4]] == [("one", 1.0)] * 2 + [("one", 5.0)] * 2
     assert len({r["backend"] for r in res["prompts"]}) == 2

@@ -157,7 +157,8 @@
 #                  (tests/gpu/soak.py): backends SOAK_BACKENDS (default disabled,sdpa,auto,auto_exact,sage_fp8_sm90) x one
 #                  GPU, Context Parallel and ComfyUI's MultiGPU CFG Split (SOAK_GPUS, default 2) x CFG 1 and 5, the backend
 #                  changed between prompts; failed prompts (0 expected), host RSS and each GPU's memory (flat expected) in
-#                  soak.md and soak.json, ComfyUI's log in soak-server.log; fails on a failed prompt or growth
+#                  soak.md and soak.json, ComfyUI's log in soak-server.log; fails on a failed prompt or growth;
+#                  SOAK_SERVER_ARGS=--disable-cuda-malloc: split forwards replayed as CUDA graphs, kept between prompts
 #                  (ComfyUI's server imports SQLAlchemy and alembic, which the GPU machine lacks: carry their wheels,
 #                  with Mako and greenlet, in $CARRY)
 #   prompts        whole prompts through ComfyUI's server, one GPU against several (tests/gpu/prompts.py): the
@@ -622,7 +623,7 @@ stage_cp-zoo() {
 stage_soak() {
   timeout "${SOAK_LIMIT:-540}" $PY tests/gpu/soak.py --out "$OUT" --prompts "${SOAK_PROMPTS:-216}" \
     --backends "${SOAK_BACKENDS:-disabled,sdpa,auto,auto_exact,sage_fp8_sm90}" --gpus "${SOAK_GPUS:-2}" \
-    > "$OUT/soak.txt" 2>&1
+    ${SOAK_SERVER_ARGS:+--server-args="$SOAK_SERVER_ARGS"} > "$OUT/soak.txt" 2>&1
   local rc=$?
   echo "tests/gpu/soak.py exit status $rc; every prompt in soak.txt and soak.md"
   grep -E "FAILED|Traceback|Error" "$OUT/soak.txt" | head -n 20

@@ -31,6 +31,7 @@ import argparse
 import json
 import logging
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -72,7 +73,9 @@ def _install_server_side() -> None:
 
     @PromptServer.instance.routes.get("/pa_soak/state")
     async def state(request):
-        if n:  # the pack may load after this file: it is looked up here, before the first prompt
+        # the soak's Context Parallel prompts split every forward (its tiny model is below every work floor); the pack
+        # may load after this file: it is looked up here, before the first prompt
+        if n or os.environ.get("PA_SOAK_SPLIT_ALL") == "1":
             import importlib
 
             init = os.path.join(ROOT, "__init__.py")
@@ -138,7 +141,8 @@ def start(a, base: str, comfyui: str):
     # prompt: 8.4 MiB more per prompt, with or without this pack, measured); its LRU cache keeps the outputs of the last
     # prompts (the models, the multi-GPU nodes' copies among them, as the default does), so what stays beyond them is
     # what the prompts leave
-    return launch(a, base, comfyui, os.path.join(a.out, "soak-server.log"), ["--cache-lru", str(LRU)])
+    return launch(a, base, comfyui, os.path.join(a.out, "soak-server.log"),
+                  ["--cache-lru", str(LRU), *getattr(a, "server_args", "").split()], env={"PA_SOAK_SPLIT_ALL": "1"})
 
 
 def launch(a, base: str, comfyui: str, log_path: str, server_args=(), nodes=None, env=None):
@@ -279,7 +283,8 @@ def render(meta: dict, v: dict, rows: list) -> str:
     lines = [f"# Soak: {v['prompts']} prompts through ComfyUI's server", "",
              f"{meta['device']}, ComfyUI {meta['comfyui']}, torch {meta['torch']}, {meta['date']}; backends "
              f"{', '.join(meta['backends'])} x {', '.join(MODES)} x CFG {', '.join(f'{c:g}' for c in meta['cfgs'])}; "
-             f"{meta['steps']} steps, latent {meta['size']}", "",
+             f"{meta['steps']} steps, latent {meta['size']}"
+             f"{'; ComfyUI started with ' + meta['server_args'] if meta.get('server_args') else ''}", "",
              f"- failed prompts: {v['failed']} (0 expected)"]
     lines += [f"  - {n}x {e}" for e, n in v["errors"].items()]
     if "rss_growth_mib" in v:
@@ -287,7 +292,9 @@ def render(meta: dict, v: dict, rows: list) -> str:
                   *[f"- GPU {i} used: {g:+.0f} MiB" for i, g in enumerate(v["gpu_growth_mib"])],
                   f"- ComfyUI's loaded models whose patcher was gone: at most {v['dead_entries_max']}; its \"memory "
                   f"leak\" warnings: {v['leak_warnings']}",
-                  f"- memory flat: {'yes' if v['flat'] else 'NO'}"]
+                  f"- memory flat: {'yes' if v['flat'] else 'NO'}",
+                  f"- sampling runs split over the GPUs: {v.get('split_runs', 0)}, of them {v.get('graph_runs', 0)} "
+                  f"replayed CUDA graphs, {v.get('kept_graph_runs', 0)} only graphs kept from the run before"]
     lines += ["", "| # | mode | CFG | backend | ok | s | RSS MiB | GPU used MiB |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         s = r["state"] or {}
@@ -327,6 +334,9 @@ def main(argv=None) -> int:
     ap.add_argument("--cpu", action="store_true", help="ComfyUI in CPU mode (the check without GPUs)")
     ap.add_argument("--devices", type=int, default=2, help="with --cpu: the devices ComfyUI sees")
     ap.add_argument("--timeout", type=float, default=300, help="seconds a prompt may take")
+    ap.add_argument("--server-args", default="",
+                    help="more arguments for ComfyUI's main.py (e.g. --disable-cuda-malloc: split forwards replayed as "
+                         "CUDA graphs, kept from prompt to prompt)")
     ap.add_argument("--rss-tolerance", type=float, default=256, help="MiB")
     ap.add_argument("--gpu-tolerance", type=float, default=128, help="MiB")
     a = ap.parse_args(argv)
@@ -342,13 +352,25 @@ def main(argv=None) -> int:
     finally:
         stop(proc, base)
     v = verdict(a, rows, len(MODES) * len(a.cfgs) * len(a.backends))
+    v.update(split_runs(os.path.join(a.out, "soak-server.log")))
     with open(os.path.join(a.out, "soak.json"), "w") as f:
         json.dump({"meta": meta, "verdict": v, "prompts": rows}, f, indent=1)
     md = render(meta, v, rows)
     with open(os.path.join(a.out, "soak.md"), "w") as f:
         f.write(md)
     print("\n".join(md.splitlines()[:12 + len(v["errors"])]))
-    return 0 if v["failed"] == 0 and v["flat"] else 1
+    return 0 if v["failed"] == 0 and v["flat"] and v["split_runs"] else 1
+
+
+def split_runs(log_path: str) -> dict:
+    """The sampling runs the Context Parallel node split (its "N of M forwards split" line in the server's log), and of
+    them those that replayed CUDA graphs and those that recorded none (replayed graphs kept from the run before): a
+    soak whose split prompts split nothing has not soaked the split."""
+    with open(log_path, errors="replace") as f:
+        lines = [ln for ln in f if "forwards split over" in ln]
+    return {"split_runs": sum(not re.search(r": 0 of \d+ forwards split", ln) for ln in lines),
+            "graph_runs": sum("replayed as CUDA graphs" in ln for ln in lines),
+            "kept_graph_runs": sum("(0 recorded)" in ln for ln in lines)}
 
 
 def stop(proc, base: str) -> None:
@@ -383,7 +405,7 @@ def soak(a, url: str, comfyui: str):
     defaults = {n: node_inputs(url, n) for n in ("PatchAttention", "ContextParallel")}
     first = call(url + "/pa_soak/state")
     meta = {**machine(a, comfyui), "date": datetime.date.today().isoformat(), "backends": a.backends, "cfgs": a.cfgs, "steps": a.steps, "size": "x".join(map(str, a.size)),
-            "state_at_start": first}
+            "server_args": a.server_args, "state_at_start": first}
     rows = []
     for i, (mode, cfg, backend) in enumerate(plan(a)):
         ok, err, secs = run(url, prompt(a, defaults, i, mode, cfg, backend), a.timeout)
