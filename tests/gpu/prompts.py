@@ -420,13 +420,16 @@ class ServerLog:
 
 
 def post(url: str, data: dict):
-    """A POST: its answer's JSON, or None where it has no body (ComfyUI's /interrupt and /free)."""
+    """A POST: its answer's JSON, or None where it has none (ComfyUI's /interrupt and /free)."""
     import urllib.request
 
     req = urllib.request.Request(url, data=json.dumps(data).encode(), headers={"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=30) as r:
         body = r.read()
-    return json.loads(body) if body.strip() else None
+    try:
+        return json.loads(body)
+    except ValueError:  # no body, or not JSON
+        return None
 
 
 def idle(soak, url: str, seconds: float) -> None:
