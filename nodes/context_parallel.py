@@ -751,8 +751,11 @@ class GraphWrapper:
         # where the weights are: ComfyUI may put other tensors in their place during a run (hooks that patch weights
         # per step), and a graph would read the ones it recorded
         pieces = self.run.pieces.get(k)
-        if pieces is not None and _weights(pieces.modules) != pieces.weights:
-            pieces = None
+        if pieces is not None:
+            now = _weights(pieces.modules)
+            if now != pieces.weights:
+                self._say_moved(pieces, now)
+                pieces = None
         module = executor.class_obj
         modules = pieces.modules if pieces is not None else \
             list(module.modules()) if isinstance(module, torch.nn.Module) else []
@@ -779,6 +782,23 @@ class GraphWrapper:
             if held is not None:
                 resident.unpin()
 
+    def _say_moved(self, pieces, now: tuple) -> None:
+        """How many of the model's weights are elsewhere than where its graphs read them (so it records again), said
+        once per run: a hook that patches weights during a run, or ComfyUI loading them again between runs."""
+        if "weights-moved" in self.run.said:
+            return
+        self.run.said.add("weights-moved")
+        tensors = [t for m in pieces.modules for t in m._parameters.values() if t is not None] + \
+                  [t for m in pieces.modules for t in m._buffers.values() if t is not None]
+        moved = [t for t, a, b in zip(tensors, (*now[0], *now[1]), (*pieces.weights[0], *pieces.weights[1])) if a != b]
+        size = sum(t.numel() * t.element_size() for t in moved)
+        if now[2] != pieces.weights[2]:
+            log.info("%s: some of the model's modules were replaced since its CUDA graphs were recorded: recorded again",
+                     NODE)
+        else:
+            log.info("%s: %d of the model's %d weights (%s) are elsewhere than where its CUDA graphs read them: recorded "
+                     "again", NODE, len(moved), len(tensors), _size(size))
+
     def _residency(self, module, modules: list):
         """``module``'s :class:`~..parallel.graphs.Residency` (None: no weights in dynamic VRAM), found once per
         run."""
@@ -787,6 +807,13 @@ class GraphWrapper:
             r = Residency(modules)
             known[id(module)] = r if r.runs else None
         return known[id(module)]
+
+
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:,.0f} bytes" if unit == "bytes" else f"{n:,.1f} {unit}"
+        n /= 1024
 
 
 def _weights(modules: list) -> tuple:

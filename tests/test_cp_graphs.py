@@ -195,10 +195,10 @@ def test_a_replay_hands_its_own_steps_sigma_to_patch_attention(zoo, n):
 @pytest.mark.comfyui
 @pytest.mark.parametrize("what", ["weight", "module"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n, what):
+def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, caplog, n, what):
     """ComfyUI's hooks may patch weights between steps by putting new tensors in place of the old (or a node a new
     layer in place of one): a replay would read the old ones, so the forward is recorded again (the latent is the eager
-    split's with the same change)."""
+    split's with the same change), and the log says how many weights moved, once."""
     z, mod, _ = zoo
     base, case = _build(z, "Flux", None)
     dm = base.model.diffusion_model
@@ -230,8 +230,17 @@ def test_weights_put_in_place_of_others_during_a_run_are_recorded_again(zoo, n, 
             layer.weight = original
 
     eager, _ = sampled(False)
-    out, graphs = sampled(True)
+    with caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
+        out, graphs = sampled(True)
     assert torch.equal(out, eager)
+    said = [r.getMessage() for r in caplog.records if "recorded again" in r.getMessage()]
+    if what == "weight":
+        kib = f"{attn.qkv.weight.numel() * attn.qkv.weight.element_size() / 1024:,.1f} KiB"
+        assert said == [f"Context Parallel: 1 of the model's {len(list(dm.parameters()))} weights ({kib}) are elsewhere "
+                        "than where its CUDA graphs read them: recorded again"], said
+    else:
+        assert said == ["Context Parallel: some of the model's modules were replaced since its CUDA graphs were "
+                        "recorded: recorded again"], said
     _, once = sampled(True, swap=False)
     assert graphs == 2 * once  # every rank recorded its forward again after the swap
 
