@@ -357,10 +357,15 @@ class Kept:
     same (:func:`run_key`, :func:`~..parallel.graphs.options_key`) and the weights where they were, instead of running
     its first forward eagerly and recording its second.  ``pieces`` and ``split_shapes`` are the run's."""
 
-    __slots__ = ("key", "models", "pieces", "split_shapes")
+    __slots__ = ("key", "pieces", "split_shapes")
 
-    def __init__(self, key, models, pieces, split_shapes):
-        self.key, self.models, self.pieces, self.split_shapes = key, models, pieces, split_shapes
+    def __init__(self, key, pieces, split_shapes):
+        self.key, self.pieces, self.split_shapes = key, pieces, split_shapes
+
+    @property
+    def models(self) -> tuple:
+        """(:class:`~..parallel.graphs.Same`) the models of the run's patchers, whose unloading lets the graphs go."""
+        return tuple(m for m, _, _ in self.key[0])
 
 
 def run_key(patchers: list, groups: list, inference: bool):
@@ -397,7 +402,6 @@ class Run:
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
         self.recorded = 0  # forwards recorded as CUDA graphs
         self.key = None  # run_key: the run's graphs are kept for the next run (None: not)
-        self.models = ()  # (Same) the models of the run's patchers, whose unloading lets its kept graphs go
         self.inherited = False  # the pieces are the last run's (Kept), none recorded in this run yet
         self.dynamic = False  # the model's weights are in ComfyUI's dynamic VRAM (graphs_floor)
         self.residency = {}  # id(diffusion model) -> its weights in dynamic VRAM (parallel.graphs.Residency), or None
@@ -426,7 +430,7 @@ class Run:
             w.shutdown(wait=True)
         if self.graphs and self.key is not None and self.pieces:
             with cp._lock:
-                cp.kept = Kept(self.key, self.models, self.pieces, self.split_shapes)
+                cp.kept = Kept(self.key, self.pieces, self.split_shapes)
         else:
             self.pieces.clear()  # the graphs' memory goes with the run
 
@@ -480,7 +484,6 @@ class RunWrapper(_Wrapper):
                 log.info("%s: no CUDA graphs in this run: %s", NODE, why)
             patchers = [p for p in (getattr(guider, "model_patcher", None), *clones.values()) if p is not None]
             run.key = run_key(patchers, groups, run.inference) if run.graphs else None
-            run.models = tuple(Same(p.model) for p in patchers)
             run.dynamic = any(_dynamic(p) for p in patchers)
             run.take(cp)
         prev, cp.run = cp.run, run
