@@ -188,16 +188,13 @@ def _patch_attention(backend="sage_fp8_sm90"):
     return types.SimpleNamespace(config=types.SimpleNamespace(backend=backend))
 
 
-@pytest.mark.comfyui
-@pytest.mark.parametrize("name, total, comfyui, pack", MEASURED + PREDICTED, ids=[m[0] for m in MEASURED + PREDICTED])
-def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch, name, total, comfyui, pack):
-    """Through the node's own functions: the model's work (made once), the floor for the forward's attention (ComfyUI's
-    PyTorch attention; Patch Attention's sage_fp8_sm90 under the split's hook), a rank's decision at the first block.
-    Where the split measured clearly faster than one GPU it splits; where it gained little or lost, it runs on one GPU
-    and says how many tokens would split."""
+def _floor_case(mod, monkeypatch, name, total):
+    """The node's pieces for the preset ``name`` (``total`` tokens, checked) on a GPU machine as ComfyUI starts there
+    (its PyTorch attention): ``cpn`` the node's module, ``cp`` its choice with the work floors, ``dm``, ``unit``, the
+    tokens to split and held whole (``tokens``, ``prefix``), the attention hooks by kind (``hooks``: ComfyUI's, Patch
+    Attention's sage_fp8_sm90 under the split's), and ``rank(floor)``: the first rank's context under ``floor``."""
     import comfy.ldm.modules.attention as comfy_attention
 
-    mod = comfy_pack
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
     G = importlib.import_module(mod.__name__ + ".parallel.group")
     C = importlib.import_module(mod.__name__ + ".parallel.context")
@@ -205,12 +202,25 @@ def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch
     tokens, prefix = _tokens(preset)
     assert tokens + prefix == total
     monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)  # as ComfyUI starts on a GPU
-    cp = cpn.ContextParallel(unit, min_tokens=None)
-    hooks = {"comfyui": {}, "pack": {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}}
+    return types.SimpleNamespace(
+        cpn=cpn, cp=cpn.ContextParallel(unit, min_tokens=None), dm=dm, unit=unit, tokens=tokens, prefix=prefix,
+        hooks={"comfyui": {}, "pack": {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}},
+        rank=lambda floor: C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit))
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("name, total, comfyui, pack", MEASURED + PREDICTED, ids=[m[0] for m in MEASURED + PREDICTED])
+def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch, name, total, comfyui, pack):
+    """Through the node's own functions: the model's work (made once), the floor for the forward's attention (ComfyUI's
+    PyTorch attention; Patch Attention's sage_fp8_sm90 under the split's hook), a rank's decision at the first block.
+    Where the split measured clearly faster than one GPU it splits; where it gained little or lost, it runs on one GPU
+    and says how many tokens would split."""
+    f = _floor_case(comfy_pack, monkeypatch, name, total)
+    cpn, cp, dm, tokens, prefix = f.cpn, f.cp, f.dm, f.tokens, f.prefix
     for kind, ratio in (("comfyui", comfyui), ("pack", pack)):
-        floor = cp.floor(dm, hooks[kind])
+        floor = cp.floor(dm, f.hooks[kind])
         assert floor["min_tflop"] == cpn.SPLIT_TFLOP[kind] and floor["work"] is cp.work(dm)
-        ctx = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit)
+        ctx = f.rank(floor)
         split = ctx.start(tokens, prefix=prefix)
         assert split if ratio >= CLEARLY else (not split if ratio < PAYS else True), (kind, ratio, split,
                                                                                       floor["work"].tflop_per_block(total))
@@ -221,8 +231,8 @@ def test_every_measured_size_is_on_its_side_of_the_floor(comfy_pack, monkeypatch
             assert ctx.why.startswith(f"{tokens:,} tokens to split, fewer than the {need:,} that make a split pay for "
                                       f"this model with {attention}: a step this short is faster on one GPU"), ctx.why
             # at those tokens it splits, one fewer it does not
-            assert C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(need, prefix=prefix)
-            assert not C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(need - 1, prefix=prefix)
+            assert f.rank(floor).start(need, prefix=prefix)
+            assert not f.rank(floor).start(need - 1, prefix=prefix)
 
 
 # Split forwards replayed as CUDA graphs (where the weights stay put), every forward split, 2x H200, ComfyUI 0.33.0:
@@ -239,23 +249,13 @@ MEASURED_GRAPHS = [("qwen-image", 7145, 1.64, 1.20), ("wan-14b-17f", 7800, 1.76,
 def test_every_size_measured_with_graphs_is_on_its_side_of_their_floor(comfy_pack, monkeypatch, name, total, comfyui,
                                                                         pack):
     """A run that replays its split forwards as CUDA graphs takes their floor, for the attention it runs."""
-    import comfy.ldm.modules.attention as comfy_attention
-
-    mod = comfy_pack
-    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    G = importlib.import_module(mod.__name__ + ".parallel.group")
-    C = importlib.import_module(mod.__name__ + ".parallel.context")
-    preset, dm, unit = _preset(mod, name)
+    f = _floor_case(comfy_pack, monkeypatch, name, total)
+    cpn, unit = f.cpn, f.unit
     assert unit.graphs
-    tokens, prefix = _tokens(preset)
-    assert tokens + prefix == total
-    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
-    cp = cpn.ContextParallel(unit, min_tokens=None)
-    hooks = {"comfyui": {}, "pack": {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}}
     for kind, ratio in (("comfyui", comfyui), ("pack", pack)):
-        floor = cp.floor(dm, hooks[kind], graphs=True)
+        floor = f.cp.floor(f.dm, f.hooks[kind], graphs=True)
         assert floor["min_tflop"] == cpn.graphs_floor(unit, kind) * unit.calls_per_block < cpn.SPLIT_TFLOP[kind]
-        split = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(tokens, prefix=prefix)
+        split = f.rank(floor).start(f.tokens, prefix=f.prefix)
         assert split if ratio >= CLEARLY else (not split if ratio < PAYS else True), (kind, ratio, split)
 
 
@@ -271,20 +271,9 @@ def test_every_whole_prompt_measured_is_on_its_side_of_the_floor_for_its_weights
                                                                                   dynamic, ratio):
     """Where the model's weights stay put, Flux 1024² split with Patch Attention's kernels gained a whole prompt; under
     ComfyUI's dynamic VRAM (each prompt reloads them) it lost: the floor for its weights keeps it on its side."""
-    import comfy.ldm.modules.attention as comfy_attention
-
-    mod = comfy_pack
-    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    G = importlib.import_module(mod.__name__ + ".parallel.group")
-    C = importlib.import_module(mod.__name__ + ".parallel.context")
-    preset, dm, unit = _preset(mod, name)
-    tokens, prefix = _tokens(preset)
-    assert tokens + prefix == total
-    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
-    cp = cpn.ContextParallel(unit, min_tokens=None)
-    floor = cp.floor(dm, {cpn.OVERRIDE_KEY: cpn.ContextParallelAttention(_patch_attention())}, graphs=True,
-                     dynamic=dynamic)
-    split = C.RankContext(G.Group(["cpu", "cpu"], **floor), 0, unit).start(tokens, prefix=prefix)
+    f = _floor_case(comfy_pack, monkeypatch, name, total)
+    floor = f.cp.floor(f.dm, f.hooks["pack"], graphs=True, dynamic=dynamic)
+    split = f.rank(floor).start(f.tokens, prefix=f.prefix)
     assert split if ratio >= 1.2 else not split, (ratio, split)
 
 

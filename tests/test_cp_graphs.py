@@ -8,6 +8,7 @@ islands are what is tested -- which work a replay skips, what it runs again, wit
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import ctypes
 import importlib
@@ -322,16 +323,23 @@ class _Space:
             self.pins -= 1
 
 
+@contextlib.contextmanager
 def _in_space(model, space):
-    """Every weight of ``model``'s diffusion model given a range of ``space``, as ComfyUI's dynamic VRAM does
-    (``module._v``: the space, an address, bytes; 512-byte aligned, one after the other)."""
+    """Every weight of ``model``'s diffusion model given a range of ``space`` while the block runs, as ComfyUI's dynamic
+    VRAM does (``module._v``: the space, an address, bytes; 512-byte aligned, one after the other)."""
     addr = 1 << 20
-    for m in model.model.diffusion_model.modules():
+    modules = list(model.model.diffusion_model.modules())
+    for m in modules:
         w = getattr(m, "weight", None)
         if isinstance(w, torch.Tensor):
             n = w.numel() * w.element_size()
             m._v = (space, addr, n)
             addr += (n + 511) // 512 * 512
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.__dict__.pop("_v", None)
 
 
 @pytest.mark.comfyui
@@ -347,14 +355,9 @@ def test_dynamic_vram_weights_are_held_for_each_replay_or_the_run_goes_on_withou
     eager = sample(z, graphed(mod, base, n, graphs=False), case_)
     space = _Space(move_at=n + 1 if case == "moved" else None, full=case == "full")  # moved: at the first replay
     m = graphed(mod, base, n)
-    _in_space(m, space)
-    try:
-        RecordedGraph.replays = 0
-        with caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
-            out = sample(z, m, case_)
-    finally:
-        for mm in base.model.diffusion_model.modules():
-            mm.__dict__.pop("_v", None)
+    RecordedGraph.replays = 0
+    with _in_space(m, space), caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
+        out = sample(z, m, case_)
     assert torch.equal(out, eager)
     assert space.pins == 0
     said = " ".join(r.getMessage() for r in caplog.records)
@@ -550,14 +553,10 @@ def test_kept_graphs_of_weights_dynamic_vram_moved_since_are_recorded_again(zoo,
     eager = z.sample(graphed(mod, base, n, graphs=False), case, seed=2)
     space = _Space(move_at=3 * n + 1)  # the last run: recorded and two replays; the next: other pages
     m = graphed(mod, base, n)
-    _in_space(m, space)
-    try:
-        with caplog.at_level(logging.INFO, logger="patch_attention.parallel"), torch.inference_mode():
-            z.sample(m, case, seed=1)
-            out = z.sample(m, case, seed=2)
-    finally:
-        for mm in base.model.diffusion_model.modules():
-            mm.__dict__.pop("_v", None)
+    with _in_space(m, space), caplog.at_level(logging.INFO, logger="patch_attention.parallel"), \
+            torch.inference_mode():
+        z.sample(m, case, seed=1)
+        out = z.sample(m, case, seed=2)
     assert torch.equal(out, eager)
     assert space.pins == 0
     said = " ".join(r.getMessage() for r in caplog.records)
