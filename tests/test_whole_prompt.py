@@ -155,3 +155,36 @@ def test_an_input_asked_for_is_set_in_both_workflows_of_every_row_that_has_the_n
     assert res["meta"]["inputs"] == {"PatchAttention.check_finite": False}
     assert all(not r.get("differences") for r in res["rows"])
     assert '; the workflows with {"PatchAttention.check_finite": false}' in (out / "prompts.md").read_text()
+
+
+@pytest.fixture(scope="module")
+def pair(run, tmp_path_factory):
+    """--pair 2 on Flux's row (the files the first run wrote): two servers, a warm-up and one timed prompt each."""
+    out = tmp_path_factory.mktemp("prompts-pair")
+    rc = gpu_module("prompts").main(["--out", str(out), "--cpu", "--pair", "2", "--rounds", "1", "--rows", "flux-dev",
+                                      "--models", run[2]])
+    res = json.load(open(out / "prompts.json"))
+    assert rc == 0, [(p["mode"], p["error"]) for r in res["rows"] for p in r["prompts"] if not p["ok"]]
+    return res, out
+
+
+def test_with_pair_each_workflow_runs_on_a_server_of_its_own_at_the_same_time(pair):
+    """--pair N: the one-GPU workflow's prompts on a server seeing one device, the several-GPU workflow's on one seeing
+    N, both servers' prompts at the same time (their spans overlap), each server's log its own, the ratio of the two."""
+    res, out = pair
+    assert res["meta"]["pair"] == {"one": "cpu x1", "several": "cpu x2"}
+    (r,) = res["rows"]
+    assert r["status"] == "done", r["reason"]
+    by = {m: [p for p in r["prompts"] if p["mode"] == m] for m in ("one", "several")}
+    assert [p["warmup"] for p in by["one"]] == [p["warmup"] for p in by["several"]] == [True, False]
+    assert all(p["ok"] and p["source"] == "history" for p in r["prompts"])
+    one, sev = by["one"][0]["span"], by["several"][0]["span"]
+    assert one[0] < sev[1] and sev[0] < one[1], (one, sev)  # the warm-ups ran at once
+    assert len({p["seed"] for p in r["prompts"]}) == 4
+    logs = {m: (out / f"prompts-server-{m}.log").read_text() for m in ("one", "several")}
+    assert not (out / "prompts-server.log").exists()
+    assert "split over 2 GPUs" not in logs["one"] and not any(p["log"] for p in by["one"])
+    assert re.search(r"Context Parallel: (\d+) of \1 forwards split over 2 GPUs", logs["several"])
+    assert all(any("split over 2 GPUs" in x for x in p["log"]) for p in by["several"])
+    assert r["summary"]["ratio"] > 0
+    assert "two servers at once (--pair), the one-GPU workflow's seeing cpu x1" in (out / "prompts.md").read_text()

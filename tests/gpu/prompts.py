@@ -3,6 +3,7 @@ entry in /history, for what a user runs.
 
     python tests/gpu/prompts.py --out DIR [--rows wan22-a14b,wan21-14b,flux-dev] [--rounds 2] [--limit 540]
                                 [--models /root/pa-models] [--steps wan21-14b=4] [--order grouped|alternate]
+    python tests/gpu/prompts.py --out DIR --pair 2 --rows wan21-14b --rounds 1   # on 3 GPUs or more: both at once
     python tests/gpu/prompts.py --out DIR --cpu --devices 2 --rounds 1     # the same path on a machine without GPUs
 
 Rows (this repository's API workflows, workflows/api, used as they are: only the model files' names, the sizes, the
@@ -49,6 +50,12 @@ Per row: the median of the timed prompts per workflow, the ratio one GPU / sever
 same per phase; with --steps below the row's, also the prompt at the row's steps, extrapolated with the measured
 s/step.  Results: DIR/prompts.json and DIR/prompts.md (rewritten after every prompt), ComfyUI's log in
 DIR/prompts-server.log.  Exit status 1 when a prompt failed (not one the limit interrupted).
+
+--pair N: two servers at once, each seeing its own GPUs (CUDA_VISIBLE_DEVICES): the one-GPU workflow's the first GPU,
+the several-GPU one's the next N; each runs its workflow's warm-up and timed prompts while the other runs its own.  For
+a row whose two workflows do not fit one after the other in a 10-minute call (Wan 2.1 14B 720p at CFG 5, 20 steps:
+~6 minutes a prompt on one GPU): the ratio is still of one run on one host, the one-GPU prompts with their GPU to
+themselves (the host's cores, memory and disk shared with the other server).  It needs 1 + N GPUs.
 
 --limit (seconds, the whole run): a row whose warm-ups and one round are not expected to fit what is left (rough
 figures for one H100: Wan 14B 720p ~10 s/step at CFG 1, 20 at CFG 5, its VAE decode and save ~60 s; Flux ~0.18
@@ -110,6 +117,16 @@ class Row:
     est_rest: float  # one H100, s/prompt beside sampling (decode, save)
     est_load: float  # one H100, s more for a workflow's first prompt (loading, copies)
     est_split: float  # sampling's expected speed-up over the GPUs
+
+
+@dataclass
+class Server:
+    """One ComfyUI server: its process, address, base directory, log and the devices it sees."""
+    proc: object
+    url: str
+    base: str
+    log: ServerLog
+    devices: str  # CUDA_VISIBLE_DEVICES, or "cpu xN"
 
 
 ROWS = {
@@ -493,8 +510,8 @@ def generate(a, names: list, comfyui: str, t_end: float) -> str:
     return ""
 
 
-def prepare(a, soak, url: str, base: str, row: Row, steps: int, comfyui: str, t_end: float) -> str:
-    """The row's packages, time and files checked, its files made where missing and linked into the server's model
+def prepare(a, soak, servers: list, row: Row, steps: int, comfyui: str, t_end: float) -> str:
+    """The row's packages, time and files checked, its files made where missing and linked into the servers' model
     folders; "" or why the row is not run."""
     mf = model_files()
     lacking = [m for m in row.needs if importlib.util.find_spec(m) is None]
@@ -509,31 +526,35 @@ def prepare(a, soak, url: str, base: str, row: Row, steps: int, comfyui: str, t_
         return (f"expected ~{need:.0f} s for its files, warm-ups and one round at {steps} steps, {left:.0f} s left "
                 "(--limit; --steps ROW=N times fewer steps)")
     if missing:
-        free(soak, url)  # the previous row's models out of the way of the generator and of the eviction
+        for s in servers:  # the previous row's models out of the way of the generator and of the eviction
+            free(soak, s.url)
         why = generate(a, missing, comfyui, t_end)
         if why:
             return why
-    for n in names:
+    for n, s in ((n, s) for n in names for s in servers):
         spec = mf.SPECS[n]
-        dst = os.path.join(base, "models", spec.folder, spec.file)
+        dst = os.path.join(s.base, "models", spec.folder, spec.file)
         if not os.path.lexists(dst):
             os.symlink(os.path.join(os.path.abspath(a.models), spec.folder, spec.file), dst)
     return ""
 
 
-def run_row(a, soak, url: str, base: str, name: str, t_end: float, ctx: dict) -> dict:
-    """One row: its prompts in :func:`sequence`'s order, the summary."""
+def run_row(a, soak, servers: dict, name: str, t_end: float, ctx: dict) -> dict:
+    """One row: its prompts in :func:`sequence`'s order (with --pair: each workflow's on its own server, both at
+    once), the summary."""
     row = ROWS[name]
     steps = CPU_STEPS if a.cpu else a.steps.get(name, row.steps)
     res = {"row": name, "title": row.title, "steps": steps, "row_steps": row.steps, "cfg": row.cfg,
            "status": "not run", "reason": "", "prompts": []}
     ctx["rows"].append(res)
-    res["reason"] = prepare(a, soak, url, base, row, steps, ctx["comfyui"], t_end)
+    distinct = list({id(s): s for s in servers.values()}.values())
+    res["reason"] = prepare(a, soak, distinct, row, steps, ctx["comfyui"], t_end)
     if res["reason"]:
         print(f"prompts {name}: not run: {res['reason']}", flush=True)
         return res
     if ctx["rows"][:-1]:
-        free(soak, url)
+        for s in distinct:
+            free(soak, s.url)
     wfs, res["differences"] = workflows(row, ctx["cp_defaults"], a.inputs)
     res["workflows"] = {"one": row.one or f"{row.several} without its several-GPU nodes",
                         "several": row.several or f"{row.one} with Context Parallel before the sampler"}
@@ -541,30 +562,43 @@ def run_row(a, soak, url: str, base: str, name: str, t_end: float, ctx: dict) ->
     size = CPU_SIZE[len(row.size)] if a.cpu else row.size
     res["size"] = "x".join(map(str, size))
     res["status"] = "running"
-    res["reason"] = run_prompts(a, soak, url, row, wfs, names, steps, size, t_end, res, ctx)
+    if len(distinct) == 1:
+        res["reason"] = run_prompts(a, soak, servers, row, wfs, names, steps, size, t_end, res, ctx, MODES)
+    else:  # --pair: the two workflows at once, each on its server's GPUs
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(len(MODES)) as pool:
+            why = list(pool.map(lambda m: run_prompts(a, soak, servers, row, wfs, names, steps, size, t_end, res, ctx,
+                                                      (m,)), MODES))
+        res["reason"] = "; ".join(f"{m}: {w}" for m, w in zip(MODES, why) if w)
     res["status"] = "partial" if res["reason"] else "done"
     res["summary"] = summarize(res["prompts"], steps, steps if a.cpu else row.steps)
     save(a, ctx)
     return res
 
 
-def run_prompts(a, soak, url, row, wfs, names, steps, size, t_end, res, ctx) -> str:
-    """The row's prompts, each recorded as it ends; "" or why they stopped early."""
+def run_prompts(a, soak, servers, row, wfs, names, steps, size, t_end, res, ctx, modes) -> str:
+    """The row's prompts of ``modes``' workflows, each recorded as it ends; "" or why they stopped early."""
     last = {}
-    for mode, warm in sequence(a.order, a.rounds):
+    for mode, warm in (x for x in sequence(a.order, a.rounds) if x[0] in modes):
+        server = servers[mode]
         samplers = sum(v["class_type"] == "KSamplerAdvanced" for v in wfs[mode].values())
         n = max(a.warmup_steps, samplers) if warm and a.warmup_steps else steps
         left = t_end - time.time()
         if not warm and mode in last and last[mode] * 1.05 + 5 > left:
             return f"the limit: the next {mode}-GPU prompt (~{last[mode]:.0f} s) would not fit the {left:.0f} s left"
-        ctx["seed"] += 1
-        p = adapt(wfs[mode], row, names, ctx["seed"], n, size)
-        r = run_prompt(soak, url, p, min(a.timeout, max(left, 1.0)), ctx["log"])
+        with ctx["lock"]:
+            ctx["seed"] += 1
+            seed = ctx["seed"]
+        p = adapt(wfs[mode], row, names, seed, n, size)
+        t0 = time.time()
+        r = run_prompt(soak, server.url, p, min(a.timeout, max(left, 1.0)), server.log)
         cut = not r["ok"] and r["error"].startswith("not finished") and left < a.timeout
-        rec = {"i": len(res["prompts"]), "mode": mode, "warmup": warm, "seed": ctx["seed"], "steps": n, **r,
-               "cut_by_limit": cut}
-        res["prompts"].append(rec)
-        save(a, ctx)
+        with ctx["lock"]:
+            rec = {"i": len(res["prompts"]), "mode": mode, "warmup": warm, "seed": seed, "steps": n, **r,
+                   "cut_by_limit": cut, "span": [t0, time.time()]}
+            res["prompts"].append(rec)
+            save(a, ctx)
         spent = " ".join(f"{k} {v:.1f}" for k, v in r["phases"].items() if v >= 0.05)
         outcome = "ok" if r["ok"] else "interrupted at the limit" if cut else "FAILED " + r["error"][:200]
         print(f"prompts {res['row']} {rec['i']:2d} {mode:7s} {'warm-up' if warm else 'timed  '} {outcome} "
@@ -622,6 +656,7 @@ def render(meta: dict, rows: list) -> str:
              f"{meta['device']}, ComfyUI {meta['comfyui']}, torch {meta['torch']}, {meta['date']}; per workflow the "
              f"median of up to {meta['rounds']} prompts after a warm-up prompt, a new seed each, workflows "
              f"{meta['order']}{'; ComfyUI started with ' + meta['server_args'] if meta.get('server_args') else ''}"
+             f"{_pair_words(meta.get('pair'))}"
              f"{'; Context Parallel floors set to ' + json.dumps(meta['split_tflop']) if meta.get('split_tflop') else ''}"
              f"{'; the workflows with ' + json.dumps(meta['inputs']) if meta.get('inputs') else ''}"
              "; seconds from ComfyUI's history (execution start to success); phases from the nodes' "
@@ -650,6 +685,13 @@ def render(meta: dict, rows: list) -> str:
                          f"{p['source']} | {fmt(p['phases'].get('sampling'))} | {fmt(p['phases'].get('decode'))} | "
                          f"{gpus} |")
     return "\n".join(lines) + "\n"
+
+
+def _pair_words(pair: dict | None) -> str:
+    if not pair:
+        return ""
+    return (f"; two servers at once (--pair), the one-GPU workflow's seeing {pair['one']} and the several-GPU one's "
+            f"{pair['several']} (CUDA_VISIBLE_DEVICES)")
 
 
 def row_notes(r: dict, meta_cpu: bool) -> list[str]:
@@ -714,6 +756,10 @@ def arguments(argv):
     ap.add_argument("--inputs", default="",
                     help="CLASS.INPUT=JSON,...: an input set on every node of that class in both workflows (e.g. "
                          "PatchAttention.log_stats=false)")
+    ap.add_argument("--pair", type=int, default=0,
+                    help="N: two servers at once, the one-GPU workflow's on the first GPU and the several-GPU one's on "
+                         "the next N, both workflows' prompts run at the same time (a row too long to run one after "
+                         "the other in a 10-minute call; ratios still from one run)")
     ap.add_argument("--timeout", type=float, default=3600, help="seconds a prompt may take")
     ap.add_argument("--profile", action="store_true",
                     help="every sampler's run in the server under cProfile (its thread), the top functions in "
@@ -738,12 +784,16 @@ def describe(a, comfyui: str) -> dict:
             "warmup_steps": a.warmup_steps, "cache": f"LRU {a.cache_lru}" if a.cache_lru else "ComfyUI's default"}
 
 
-def bench(a, soak, url: str, base: str, comfyui: str, t_end: float) -> dict:
-    ctx = {"meta": describe(a, comfyui), "rows": [], "seed": 0, "comfyui": comfyui,
-           "log": ServerLog(os.path.join(a.out, "prompts-server.log"))}
-    ctx["meta"]["state_at_start"] = soak.call(url + "/pa_soak/state")  # also: on the CPU, splits from 0 tokens
-    ctx["meta"].update(post(url + "/pa_prompts/setup", {}) or {})
-    ctx["cp_defaults"] = soak.node_inputs(url, "ContextParallel")
+def bench(a, soak, servers: dict, comfyui: str, t_end: float) -> dict:
+    import threading
+
+    ctx = {"meta": describe(a, comfyui), "rows": [], "seed": 0, "comfyui": comfyui, "lock": threading.Lock()}
+    if a.pair:
+        ctx["meta"]["pair"] = {m: s.devices for m, s in servers.items()}
+    for s in {id(s): s for s in servers.values()}.values():
+        ctx["meta"]["state_at_start"] = soak.call(s.url + "/pa_soak/state")  # also: on the CPU, splits from 0 tokens
+        ctx["meta"].update(post(s.url + "/pa_prompts/setup", {}) or {})
+    ctx["cp_defaults"] = soak.node_inputs(servers["several"].url, "ContextParallel")
     if a.cpu:  # every row's tiny files at once: one ComfyUI import
         mf = model_files()
         names = sorted({n for r in a.rows for n in ROWS[r].files.values() if not mf.cached(a.models, n, True)})
@@ -751,9 +801,43 @@ def bench(a, soak, url: str, base: str, comfyui: str, t_end: float) -> dict:
         if why:
             raise SystemExit(f"prompts: {why}")
     for name in a.rows:
-        run_row(a, soak, url, base, name, t_end, ctx)
+        run_row(a, soak, servers, name, t_end, ctx)
         save(a, ctx)
     return ctx
+
+
+def pair_devices(a) -> dict:
+    """--pair N: the devices each workflow's server sees: the one-GPU workflow the first GPU, the several-GPU one the
+    next N (CUDA_VISIBLE_DEVICES; on the CPU, ComfyUI's CPU mode seeing 1 and N devices)."""
+    if a.cpu:
+        return {"one": 1, "several": a.pair}
+    seen = os.environ.get("CUDA_VISIBLE_DEVICES")
+    if seen is None:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=index", "--format=csv,noheader"], capture_output=True,
+                             text=True).stdout
+        seen = ",".join(x.strip() for x in out.split("\n") if x.strip())
+    gpus = [g for g in seen.split(",") if g]
+    if len(gpus) < 1 + a.pair:
+        raise SystemExit(f"prompts: --pair {a.pair} needs {1 + a.pair} GPUs, {len(gpus)} seen")
+    return {"one": gpus[0], "several": ",".join(gpus[1:1 + a.pair])}
+
+
+def launch(a, soak, comfyui: str, name: str, env: dict, devices=None) -> Server:
+    """A server of its own in a new base directory, its log OUT/prompts-server[-NAME].log; ``devices``: what it
+    sees (--pair)."""
+    base = tempfile.mkdtemp(prefix="pa-prompts-")
+    for folder in {s.folder for s in model_files().SPECS.values()}:
+        os.makedirs(os.path.join(base, "models", folder))
+    log = os.path.join(a.out, f"prompts-server{'-' + name if name else ''}.log")
+    sa, seen = a, "cpu" if a.cpu else os.environ.get("CUDA_VISIBLE_DEVICES", "all")
+    if devices is not None and a.cpu:
+        sa, seen = argparse.Namespace(**{**vars(a), "devices": devices}), f"cpu x{devices}"
+    elif devices is not None:
+        env, seen = {**env, "CUDA_VISIBLE_DEVICES": devices}, devices
+    proc, url = soak.launch(sa, base, comfyui, log,
+                            (["--cache-lru", str(a.cache_lru)] if a.cache_lru else []) + a.server_args.split(),
+                            {"pa_prompts.py": __file__}, env)
+    return Server(proc, url, base, ServerLog(log), seen)
 
 
 def main(argv=None) -> int:
@@ -763,19 +847,25 @@ def main(argv=None) -> int:
     comfyui = os.environ.get("COMFYUI_PATH") or os.path.join(ROOT, "..", "..")
     os.makedirs(a.out, exist_ok=True)
     os.makedirs(a.models, exist_ok=True)
-    base = tempfile.mkdtemp(prefix="pa-prompts-")
-    for folder in {s.folder for s in model_files().SPECS.values()}:
-        os.makedirs(os.path.join(base, "models", folder))
     env = {"PA_PROMPTS": "1", "PA_PROMPTS_TINY": "1" if a.cpu else "0", "PYTHONUNBUFFERED": "1",
            **({"PA_PROMPTS_PROFILE": os.path.abspath(a.out)} if a.profile else {}),
            **({"PA_PROMPTS_SPLIT_TFLOP": a.split_tflop} if a.split_tflop else {})}
-    proc, url = soak.launch(a, base, comfyui, os.path.join(a.out, "prompts-server.log"),
-                            (["--cache-lru", str(a.cache_lru)] if a.cache_lru else []) + a.server_args.split(),
-                            {"pa_prompts.py": __file__}, env)
+    started = []
     try:
-        ctx = bench(a, soak, url, base, comfyui, t_end)
+        if a.pair:
+            import concurrent.futures
+
+            with concurrent.futures.ThreadPoolExecutor(2) as pool:  # both start at once
+                futures = {m: pool.submit(launch, a, soak, comfyui, m, env, d) for m, d in pair_devices(a).items()}
+            started += [f.result() for f in futures.values() if f.exception() is None]  # stopped below, either way
+            servers = {m: f.result() for m, f in futures.items()}
+        else:
+            started.append(launch(a, soak, comfyui, "", env))
+            servers = {m: started[0] for m in MODES}
+        ctx = bench(a, soak, servers, comfyui, t_end)
     finally:
-        soak.stop(proc, base)
+        for s in started:
+            soak.stop(s.proc, s.base)
     print(render(ctx["meta"], ctx["rows"]).split("\n## Every prompt")[0], flush=True)
     return 1 if any(not p["ok"] and not p["cut_by_limit"] for r in ctx["rows"] for p in r["prompts"]) else 0
 

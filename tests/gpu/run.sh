@@ -171,7 +171,8 @@
 #                  call), PROMPTS_WARMUP_STEPS, PROMPTS_ORDER (grouped, the default, or alternate), PROMPTS_PROFILE=1 (each
 #                  sampler's run in the server under cProfile: profile-<n>.txt), PROMPTS_SPLIT_TFLOP=graphs-pack=1.2 (the
 #                  Context Parallel node's floors in the server: sizes it keeps whole, split), PROMPTS_INPUTS=
-#                  PatchAttention.log_stats=false (an input set in both workflows); s/prompt, the ratio and where the time
+#                  PatchAttention.log_stats=false (an input set in both workflows), PROMPTS_PAIR=N (two servers at once:
+#                  the one-GPU workflow on the first GPU, the several-GPU one on the next N); s/prompt, the ratio and where the time
 #                  went in prompts.md and prompts.json
 #                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
@@ -637,10 +638,10 @@ stage_prompts() {  # whole prompts, one GPU against several: one row per call in
     --rounds "${PROMPTS_ROUNDS:-2}" --limit "$limit" --models "${PROMPTS_MODELS:-/root/pa-models}" \
     ${PROMPTS_STEPS:+--steps "$PROMPTS_STEPS"} ${PROMPTS_WARMUP_STEPS:+--warmup-steps "$PROMPTS_WARMUP_STEPS"} \
     ${PROMPTS_ORDER:+--order "$PROMPTS_ORDER"} ${PROMPTS_PROFILE:+--profile} ${PROMPTS_SERVER_ARGS:+--server-args="$PROMPTS_SERVER_ARGS"} \
-    ${PROMPTS_SPLIT_TFLOP:+--split-tflop "$PROMPTS_SPLIT_TFLOP"} ${PROMPTS_INPUTS:+--inputs "$PROMPTS_INPUTS"} \
+    ${PROMPTS_SPLIT_TFLOP:+--split-tflop "$PROMPTS_SPLIT_TFLOP"} ${PROMPTS_INPUTS:+--inputs "$PROMPTS_INPUTS"} ${PROMPTS_PAIR:+--pair "$PROMPTS_PAIR"} \
     > "$OUT/prompts.txt" 2>&1
   local rc=$?
-  echo "tests/gpu/prompts.py exit status $rc; every prompt in prompts.txt and prompts.md, ComfyUI's log in prompts-server.log"
+  echo "tests/gpu/prompts.py exit status $rc; every prompt in prompts.txt and prompts.md, ComfyUI's log in prompts-server*.log"
   grep -E "^prompts |^model files:|Traceback|Error" "$OUT/prompts.txt" | tail -n 40
   sed -n '/^| row |/,/^## Every prompt/p' "$OUT/prompts.md" 2>/dev/null | head -n 30
   return $(( rc != 0 ))
