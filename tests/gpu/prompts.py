@@ -58,9 +58,9 @@ a row whose two workflows do not fit one after the other in a 10-minute call (Wa
 themselves (the host's cores, memory and disk shared with the other server).  It needs 1 + N GPUs.
 
 --limit (seconds, the whole run): a row whose warm-ups and one round are not expected to fit what is left (rough
-figures for one H100: Wan 14B 720p ~10 s/step at CFG 1, 20 at CFG 5, its VAE decode and save ~60 s; Flux ~0.18
-s/step; files written at ~1 GB/s) is listed as not run, with why; within a row, a prompt not expected to fit (the
-last timed prompt of its workflow, or its warm-up without the loaders and text encoders) ends the row's rounds; a
+figures for one H100: Wan 14B 720p ~10 s/step at CFG 1, 20 at CFG 5, its VAE decode and save ~10 s (4.6 and 5.2
+measured with Wan 2.2 A14B); Flux ~0.18 s/step; files written at ~1 GB/s) is listed as not run, with why; within a
+row, a prompt not expected to fit (the last timed prompt of its workflow, or its warm-up without the loaders and text encoders) ends the row's rounds; a
 prompt still running at the limit is interrupted.
 
 --cpu --devices N: ComfyUI in CPU mode seeing N devices (soak.py's), tiny model configurations (model_files.py --tiny;
@@ -134,10 +134,10 @@ ROWS = {
                       None, "Wan 2.2 A14B video on several GPUs.json",
                       {"wan2.2_t2v_high_noise_14B_fp8_scaled.safetensors": "wan22-high",
                        "wan2.2_t2v_low_noise_14B_fp8_scaled.safetensors": "wan22-low", **WAN_TEXT},
-                      4, 1.0, (1280, 720, 81), ("sentencepiece",), 10.0, 60.0, 45.0, 1.8),
+                      4, 1.0, (1280, 720, 81), ("sentencepiece",), 10.0, 15.0, 45.0, 1.8),
     "wan21-14b": Row("Wan 2.1 14B t2v 720p (1280x720), 81 frames, 20 steps, CFG 5", "Wan 2.1 video 480p 81 frames.json",
                      "Wan 2.1 video on several GPUs.json", {"wan2.1_t2v_1.3B_fp16.safetensors": "wan21-14b", **WAN_TEXT},
-                     20, 5.0, (1280, 720, 81), ("sentencepiece",), 20.0, 60.0, 45.0, 1.8),
+                     20, 5.0, (1280, 720, 81), ("sentencepiece",), 20.0, 15.0, 45.0, 1.8),
     "flux-dev": Row("Flux.1 dev 1024x1024, 20 steps, guidance 3.5, CFG 1", "Flux.1 dev image 1024px.json", None,
                     {"flux1-dev.safetensors": "flux-dev", "clip_l.safetensors": "clip-l",
                      "t5xxl_fp16.safetensors": "t5xxl", "ae.safetensors": "flux-ae"},
@@ -478,7 +478,7 @@ def sequence(order: str, rounds: int) -> list[tuple[str, bool]]:
 
 def estimate(a, row: Row, steps: int, missing: list) -> float:
     """Seconds the row's files still to write, its warm-ups and one round are expected to take on one H100 (0 in the
-    CPU check: no figures for it)."""
+    CPU check: no figures for it); with --pair the longer of the two workflows (they run at once)."""
     if a.cpu:
         return 0.0
     mf = model_files()
@@ -488,8 +488,8 @@ def estimate(a, row: Row, steps: int, missing: list) -> float:
         return n * row.est_step / split + row.est_rest / min(split, 1.5)
 
     warm = a.warmup_steps or steps
-    return (sum(mf.SPECS[n].gb for n in missing) / WRITE_GBPS + 2 * row.est_load
-            + sum(prompt(warm, m) + prompt(steps, m) for m in MODES))
+    each = [row.est_load + prompt(warm, m) + prompt(steps, m) for m in MODES]
+    return sum(mf.SPECS[n].gb for n in missing) / WRITE_GBPS + (max(each) if a.pair else sum(each))
 
 
 def generate(a, names: list, comfyui: str, t_end: float) -> str:
