@@ -175,6 +175,8 @@
 #                  the one-GPU workflow on the first GPU, the several-GPU one on the next N); s/prompt, the ratio and where the time
 #                  went in prompts.md and prompts.json
 #                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
+#   model-files    the prompts stage's files written ahead, MODEL_FILES (default wan21-14b,umt5-xxl,wan-vae: Wan 2.1
+#                  14B's row) into PROMPTS_MODELS (tests/gpu/model_files.py)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
 #                  a 720p/81f latent, ComfyUI's plain and tiled decode on the first GPU against VAE Decode (several GPUs)
 #                  on all: seconds (median of VAE_ROUNDS, default 3, after a warm-up), ratios, the largest difference of
@@ -645,6 +647,12 @@ stage_prompts() {  # whole prompts, one GPU against several: one row per call in
   grep -E "^prompts |^model files:|Traceback|Error" "$OUT/prompts.txt" | tail -n 40
   sed -n '/^| row |/,/^## Every prompt/p' "$OUT/prompts.md" 2>/dev/null | head -n 30
   return $(( rc != 0 ))
+}
+
+stage_model-files() {  # the prompts stage's random-weight files written ahead (a call of their own before a long row)
+  timeout "${MODEL_FILES_LIMIT:-300}" $PY tests/gpu/model_files.py --models "${PROMPTS_MODELS:-/root/pa-models}" \
+    --only "${MODEL_FILES:-wan21-14b,umt5-xxl,wan-vae}" --evict 2>&1 | tail -n 12
+  return $(( PIPESTATUS[0] != 0 ))
 }
 
 stage_vae() {
