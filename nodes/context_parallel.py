@@ -32,6 +32,7 @@ copied) the clone samples as the model does, and the node says why on the canvas
 
 from __future__ import annotations
 
+import collections
 import concurrent.futures
 import logging
 import os
@@ -398,6 +399,7 @@ class Run:
         self.whole = set()  # the shapes of the forwards that ran on one GPU for their shapes (too short to pay)
         self.graphs = False  # split forwards may replay as CUDA graphs in this run (graphs_off)
         self.split_shapes = {}  # the shapes of the forwards that split -> their work per block (the next may replay)
+        self.split_over = collections.Counter()  # split forwards by how many GPUs they split over (gpus_for)
         self.no_graphs = set()  # the shapes whose graphs failed: they run without them
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
         self.recorded = 0  # forwards recorded as CUDA graphs
@@ -499,8 +501,8 @@ class RunWrapper(_Wrapper):
             if run is not None:
                 run.close(cp)
                 if run.forwards:
-                    log.info("%s: %d of %d forwards split over %d GPUs%s%s", NODE, run.split_forwards, run.forwards,
-                             max(len(g) for g in run.groups),
+                    log.info("%s: %d of %d forwards split over %s%s%s", NODE, run.split_forwards, run.forwards,
+                             _over(run.split_over, max(len(g) for g in run.groups)),
                              f", {run.graphed} of them replayed as CUDA graphs ({run.recorded} recorded)"
                              if run.graphed else "",
                              f" ({run.reused} reused a step cache's output)" if run.reused else "")
@@ -566,6 +568,12 @@ class SplitForwardWrapper(_Wrapper):
             cp.say("compile", "torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they measured no "
                    "faster: docs/multi-gpu.md); forwards on one GPU stay compiled")
         call = (executor, (x, t, c_concat, c_crossattn, control), topts, kwargs, uncompiled)
+        # a forward of shapes that split before splits over as many of the GPUs as its work pays on (gpus_for)
+        n = gpus_for(run.split_shapes.get(shapes), floor.get("min_tflop"), len(ranks))
+        if n < len(ranks):
+            cp.say(f"fewer:{n}", f"steps of {cp.unit.name} this short split over {n} of the {len(ranks)} GPUs: a "
+                   "share of the step as short as more GPUs would each get is faster on fewer", show=True)
+            ranks = ranks[:n]
         # a forward of shapes that split before in this run replays as CUDA graphs, where the run allows them
         graphs = run.graphs and shapes in run.split_shapes and shapes not in run.no_graphs \
             and (run.split_shapes[shapes] or 0) < GRAPHS_BELOW_TFLOP
@@ -603,6 +611,7 @@ class SplitForwardWrapper(_Wrapper):
                 run.reused += ctx.split is None
                 if ctx.split:
                     run.split_shapes[shapes] = ctx.tflop
+                    run.split_over[len(ranks)] += 1
         else:
             if ctx.by_shapes:
                 with cp._lock:
@@ -974,6 +983,30 @@ class OneGpuNotice(SharedWrapper):
 # its graphs again): the unit's floor there keeps Flux 1024² on one GPU.
 SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack": 2.0}
 MOVED = " where ComfyUI offloads part of the weights"
+
+
+def gpus_for(tflop: float | None, min_tflop: float | None, most: int) -> int:
+    """Over how many of ``most`` GPUs a forward with ``tflop`` of work per block splits, where the floor it passed is
+    ``min_tflop`` (None either way: all of them): as many as give each GPU at least the share of the floor that two
+    GPUs do (``min_tflop / 2``), never fewer than two.  The floors were measured on two GPUs; more threads share the
+    host's one interpreter lock, and a share too short for it lost time (Flux.1 dev 1024², graphs: x1.45 on two H200s
+    and x0.51 on four of the same machine, unpatched; x1.33 and x0.49 with auto).  Wan 2.1 14B 480p/81f (41.6 TFLOP a
+    block against the 5.5 floor: four) ran x2.7-3.4 on four H100s against x1.89 on two."""
+    if not tflop or not min_tflop or most <= 2:
+        return most
+    return max(2, min(most, int(2 * tflop / min_tflop)))
+
+
+def _over(counts, most: int) -> str:
+    """How many GPUs a run's split forwards split over, for its log line: "4 GPUs", "2 of the 4 GPUs", or
+    "4 GPUs (12 of them over 2)" where that changed within the run."""
+    if not counts:
+        return f"{most} GPUs"
+    if len(counts) == 1:
+        (n,) = counts
+        return f"{n} GPUs" if n == most else f"{n} of the {most} GPUs"
+    top = max(counts)
+    return f"{top} GPUs (" + ", ".join(f"{c} of them over {n}" for n, c in sorted(counts.items()) if n != top) + ")"
 
 
 def graphs_floor(unit, kind: str, dynamic: bool = False) -> float:

@@ -83,6 +83,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -718,8 +719,17 @@ def row_notes(r: dict, meta_cpu: bool) -> list[str]:
 
 # ---------------------------------------------------------------- main
 
+_SIBLINGS = threading.Lock()
+
+
 def _sibling(name: str):
-    """tests/gpu/<name>.py as a module, without putting tests/gpu first on the path (its zoo.py would hide tests/zoo)."""
+    """tests/gpu/<name>.py as a module, without putting tests/gpu first on the path (its zoo.py would hide tests/zoo);
+    loaded once, whole, whichever thread asks first (--pair's servers start in two)."""
+    with _SIBLINGS:
+        return _load_sibling(name)
+
+
+def _load_sibling(name: str):
     if name not in sys.modules:
         spec = importlib.util.spec_from_file_location(name, os.path.join(HERE, f"{name}.py"))
         module = importlib.util.module_from_spec(spec)
@@ -785,8 +795,6 @@ def describe(a, comfyui: str) -> dict:
 
 
 def bench(a, soak, servers: dict, comfyui: str, t_end: float) -> dict:
-    import threading
-
     ctx = {"meta": describe(a, comfyui), "rows": [], "seed": 0, "comfyui": comfyui, "lock": threading.Lock()}
     if a.pair:
         ctx["meta"]["pair"] = {m: s.devices for m, s in servers.items()}

@@ -97,6 +97,9 @@
 #                  cfg_split off, with sage_fp8_sm90 and auto_exact
 #   multigpu-4gpu  on a 4-GPU machine (~8 min): Wan 2.1 14B 720p and 480p at CFG 1 on one GPU and split over 2, (480p:
 #                  3) and 4; 480p at CFG 5: MultiGPU CFG Split, Context Parallel with 2 GPUs per cond, and over all 4
+#   multigpu-4gpu-fewer  on a 4-GPU machine (~9 min): Flux.1 dev 1024² and 1536², Qwen-Image 1328², Wan 2.1 1.3B
+#                  480p/81f with auto at CFG 1 and the node's own floor, on one GPU, 2 (Wan: 3) and all 4, where the node
+#                  splits each step over as many as pay; then Qwen-Image and Wan 1.3B with every step over all 4 (forced/)
 #   multigpu-compile  Wan 2.1 1.3B 480p at CFG 1 with sage_fp8_sm90, on one GPU and split, each also under ComfyUI's
 #                  TorchCompileModel (inductor; the split forwards run uncompiled); MG_ROUNDS=2: a compiled row twice
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
@@ -527,6 +530,20 @@ stage_multigpu-4gpu() {  # on 4 GPUs: Wan 2.1 14B at CFG 1 over 2, 3 and 4 of th
   MG_PRESET=wan-14b MG_STEPS=3 MG_LIMIT=130 MG_ROWS=$r,cp-g3:auto_exact stage_multigpu
   MG_PRESET=wan-14b MG_CFG=5 MG_STEPS=2 MG_LIMIT=140 \
     MG_ROWS=1:sage_fp8_sm90,cfg:sage_fp8_sm90,cp-cfg:sage_fp8_sm90,cp:sage_fp8_sm90 stage_multigpu
+}
+stage_multigpu-4gpu-fewer() {  # on 4 GPUs: the node's own floor picks how many GPUs a step splits over (gpus_for)
+  local x p r s l
+  for x in flux-dev=6=70 flux-dev-1536=6=90 qwen-image=6=100 wan-1.3b=3=100; do
+    IFS== read -r p s l <<< "$x"
+    r=1:auto,cp-g2:auto,cp:auto
+    [ "$p" = wan-1.3b ] && r=1:auto,cp-g2:auto,cp-g3:auto,cp:auto
+    MG_PRESET=$p MG_STEPS=$s MG_ROUNDS=2 MG_LIMIT=$l MG_ROWS=$r stage_multigpu
+  done
+  mkdir -p "$OUT/forced"  # every forward over all four, where the node splits over fewer
+  for x in qwen-image=6=70 wan-1.3b=3=70; do
+    IFS== read -r p s l <<< "$x"
+    OUT=$OUT/forced MG_PRESET=$p MG_STEPS=$s MG_ROUNDS=2 MG_LIMIT=$l MG_MIN_TOKENS=0 MG_ROWS=1:auto,cp:auto stage_multigpu
+  done
 }
 stage_multigpu-compile() {  # Wan 2.1 1.3B 480p at CFG 1 (host-bound split) with TorchCompileModel after the node
   MG_PRESET=wan-1.3b MG_STEPS=3 MG_LIMIT=${MG_LIMIT:-500} \
