@@ -218,6 +218,15 @@ class ContextParallel:
                     w = self._work[dm] = self.unit.work(dm)
         return w if w.params else None
 
+    def least_work(self, dm, x, c_crossattn) -> float | None:
+        """The least work per block (TFLOP) a forward of latent ``x`` and text ``c_crossattn`` does, before its first
+        block: its latent's patches and its text as the unit counts them (inputs that add tokens only add work); None
+        where the unit cannot tell."""
+        work = self.work(dm)
+        conds = {"text": [{"cross_attn": c_crossattn}]} if isinstance(c_crossattn, torch.Tensor) else {}
+        most = self.unit.most_tokens(dm, tuple(x.shape), conds) if work is not None else None
+        return None if most is None else work.tflop_per_block(sum(most))
+
     def floor(self, dm, topts: dict, graphs: bool = False, dynamic: bool = False) -> dict:
         """The floor of a forward of ``dm`` whose ``transformer_options`` are ``topts``, as :class:`Group` arguments:
         the token floor where one is set, else ``dm``'s work floor for the attention the forward runs
@@ -400,7 +409,7 @@ class Run:
         self.graphs = False  # split forwards may replay as CUDA graphs in this run (graphs_off)
         self.split_shapes = {}  # the shapes of the forwards that split -> their work per block (the next may replay)
         self.split_over = collections.Counter()  # split forwards by how many GPUs they split over (gpus_for)
-        self.no_graphs = set()  # the shapes whose graphs failed: they run without them
+        self.no_graphs = set()  # the shapes (and GPUs) whose graphs failed: they run without them
         self.pieces = {}  # (shapes, rank, the diffusion model's arguments) -> its parallel.graphs.Pieces
         self.recorded = 0  # forwards recorded as CUDA graphs
         self.key = None  # run_key: the run's graphs are kept for the next run (None: not)
@@ -568,17 +577,22 @@ class SplitForwardWrapper(_Wrapper):
             cp.say("compile", "torch.compile is on: the forwards split over GPUs run uncompiled (compiled, they measured no "
                    "faster: docs/multi-gpu.md); forwards on one GPU stay compiled")
         call = (executor, (x, t, c_concat, c_crossattn, control), topts, kwargs, uncompiled)
-        # a forward of shapes that split before splits over as many of the GPUs as its work pays on (gpus_for)
-        n = gpus_for(run.split_shapes.get(shapes), floor.get("min_tflop"), len(ranks))
+        # over as many of the GPUs as its work pays on (gpus_for): known once its shapes split, before that at least
+        # what its latent and text make (two GPUs where that cannot be told); all of them under a token floor
+        n = len(ranks)
+        if "work" in floor and n > 2:
+            tflop = run.split_shapes.get(shapes) or cp.least_work(dm, x, c_crossattn)
+            n = gpus_for(tflop, n) if tflop is not None else 2
         if n < len(ranks):
             cp.say(f"fewer:{n}", f"steps of {cp.unit.name} this short split over {n} of the {len(ranks)} GPUs: a "
                    "share of the step as short as more GPUs would each get is faster on fewer", show=True)
             ranks = ranks[:n]
         # a forward of shapes that split before in this run replays as CUDA graphs, where the run allows them
-        graphs = run.graphs and shapes in run.split_shapes and shapes not in run.no_graphs \
+        gkey = (*shapes, len(ranks))  # graphs recorded over as many GPUs as replay them
+        graphs = run.graphs and shapes in run.split_shapes and gkey not in run.no_graphs \
             and (run.split_shapes[shapes] or 0) < GRAPHS_BELOW_TFLOP
         try:
-            out, ctx = self._split(run, ranks, floor, dm, call, shapes if graphs else None)
+            out, ctx = self._split(run, ranks, floor, dm, call, gkey if graphs else None)
         except NotResident as e:  # no graph can rely on where the weights are: the rest of the run without them
             with cp._lock:
                 again = run.inherited  # the last run's graphs: this run records its own from its next forward
@@ -596,8 +610,8 @@ class SplitForwardWrapper(_Wrapper):
             if not graphs or type(e).__name__ == "InterruptProcessingException":
                 raise
             with cp._lock:
-                run.no_graphs.add(shapes)
-                for k in [k for k in run.pieces if k[0] == shapes]:
+                run.no_graphs.add(gkey)
+                for k in [k for k in run.pieces if k[0] == gkey]:
                     del run.pieces[k]
             log.debug("%s: CUDA graphs of a forward failed", NODE, exc_info=True)
             cp.say("graphs-failed", f"a forward of {cp.unit.name} could not run as CUDA graphs ({type(e).__name__}: {e}); "
@@ -985,16 +999,13 @@ SPLIT_TFLOP = {"comfyui": 3.0, "pack": 5.5, "graphs-comfyui": 1.2, "graphs-pack"
 MOVED = " where ComfyUI offloads part of the weights"
 
 
-def gpus_for(tflop: float | None, min_tflop: float | None, most: int) -> int:
-    """Over how many of ``most`` GPUs a forward with ``tflop`` of work per block splits, where the floor it passed is
-    ``min_tflop`` (None either way: all of them): as many as give each GPU at least the share of the floor that two
-    GPUs do (``min_tflop / 2``), never fewer than two.  The floors were measured on two GPUs; more threads share the
-    host's one interpreter lock, and a share too short for it lost time (Flux.1 dev 1024², graphs: x1.45 on two H200s
-    and x0.51 on four of the same machine, unpatched; x1.33 and x0.49 with auto).  Wan 2.1 14B 480p/81f (41.6 TFLOP a
-    block against the 5.5 floor: four) ran x2.7-3.4 on four H100s against x1.89 on two."""
-    if not tflop or not min_tflop or most <= 2:
+def gpus_for(tflop: float | None, most: int) -> int:
+    """Over how many of ``most`` GPUs a forward with ``tflop`` of work per block splits (None: all of them): two, and
+    more only as far as each GPU's share keeps :data:`MORE_GPUS_TFLOP`.  Past two, every GPU's thread takes its turn at
+    the host's one interpreter lock, and the host's share of a step grows faster than the GPUs' shrinks."""
+    if tflop is None or most <= 2:
         return most
-    return max(2, min(most, int(2 * tflop / min_tflop)))
+    return max(2, min(most, int(tflop / MORE_GPUS_TFLOP)))
 
 
 def _over(counts, most: int) -> str:
@@ -1007,6 +1018,16 @@ def _over(counts, most: int) -> str:
         return f"{n} GPUs" if n == most else f"{n} of the {most} GPUs"
     top = max(counts)
     return f"{top} GPUs (" + ", ".join(f"{c} of them over {n}" for n, c in sorted(counts.items()) if n != top) + ")"
+
+
+# More than two GPUs pay where each GPU's share of a block's work is at least this (TFLOP); the floors above were
+# measured on two.  Auto at CFG 1 on 4x H200 (NVLink between every pair), each against one GPU of that machine, the node
+# splitting every step: Flux.1 dev 1024² (1.3 TFLOP a block) x1.48 over two, x0.50 over four (unpatched x1.45, x0.51);
+# Flux 1536² (3.4) x1.66, x1.06; Qwen-Image 1328² (2.3) x1.56, x0.79; Wan 2.1 1.3B 480p/81f (9.3) x1.64, x1.10 over three,
+# x0.66-0.76 over four.  On 4x H100: Wan 2.1 14B 480p/81f (41.6) x1.89 over two, x2.63 over three, x2.73-3.42 over four;
+# 720p/81f (162) x1.93, x3.74-3.78.  Between 3.1 a GPU (Wan 1.3B over three: lost) and 10.4 (Wan 14B 480p over four:
+# gained); nothing measured between them.
+MORE_GPUS_TFLOP = 6.0
 
 
 def graphs_floor(unit, kind: str, dynamic: bool = False) -> float:

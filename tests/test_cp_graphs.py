@@ -592,3 +592,28 @@ def test_kept_graphs_serve_the_next_run_through_comfyuis_own_copies_for_each_dev
     said = _runs_said(caplog)
     assert "over 2 GPUs, 3 of them replayed as CUDA graphs (1 recorded)" in said[0], said
     assert "over 2 GPUs, 4 of them replayed as CUDA graphs (0 recorded)" in said[1], said
+
+
+@pytest.mark.comfyui
+@pytest.mark.parametrize("n", [3, 4])
+def test_forwards_split_over_fewer_gpus_than_the_run_has_replay_their_graphs(zoo, monkeypatch, caplog, n):
+    """On ``n`` GPUs a step whose work pays on two only (the work floor, nodes/context_parallel.py gpus_for) records and
+    replays its graphs over those two: the eager split's latent bit for bit, three of four forwards replayed."""
+    z, mod, _ = zoo
+    cpn = _node(mod)
+    base, case = _build(z, "Flux", None)
+    init = cpn.ContextParallel.__init__  # the work floor with simulated ranks too (they split from 0 tokens otherwise)
+    monkeypatch.setattr(cpn.ContextParallel, "__init__", lambda self, unit, cfg_split=False, simulate=0, min_tokens=0,
+                        **k: init(self, unit, cfg_split, simulate, None, **k))
+    monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, 0.0))  # every forward splits
+    monkeypatch.setattr(cpn, "graphs_floor", lambda *a: 0.0)
+    monkeypatch.setattr(cpn, "MORE_GPUS_TFLOP", 1e9)  # over two
+    eager = sample(z, graphed(mod, base, 2, graphs=False), case)
+    RecordedGraph.replays = RecordedGraph.graphs = 0
+    with caplog.at_level(logging.INFO, logger="patch_attention.parallel"):
+        out = sample(z, graphed(mod, base, n), case)
+    assert torch.equal(out, eager)
+    said = [r.getMessage() for r in caplog.records]
+    assert not any("could not run as CUDA graphs" in m for m in said), said
+    assert any(f"4 of 4 forwards split over 2 of the {n} GPUs, 3 of them replayed" in m for m in said), said
+

@@ -546,6 +546,8 @@ def render(meta, rows) -> str:
 
 
 def main(argv=None):
+    if os.environ.get("MG_DEBUG"):  # the pack's debug lines too (a graph's failure with its traceback)
+        logging.getLogger("patch_attention").setLevel(logging.DEBUG)
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="wan-1.3b")
     ap.add_argument("--cfg", type=float, default=1.0)

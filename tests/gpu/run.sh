@@ -83,6 +83,7 @@
 #                  backend on one GPU: s/step, ratio, latent difference, peak VRAM per GPU (MG_PRESET, MG_CFG, MG_STEPS,
 #                  MG_ROUNDS: every row that many times, interleaved, the median s/step,
 #                  MG_ROWS, MG_DIAGNOSE=backends: why CFG Split's latent differs from one GPU's, MG_LIMIT seconds,
+#                  MG_DEBUG=1: the pack's debug lines in the log (a CUDA graph's failure with its traceback),
 #                  MG_MIN_TOKENS: split shorter sequences than the node does, e.g. 0 for Flux at 1024²; rows take the
 #                  exchange's settings after the mode: cp-flat, cp-a128, cp@2: tests/gpu/multigpu.py)
 #   multigpu-procs the node's threads against one process per GPU (tests/gpu/multigpu_procs.py), every forward split,
@@ -99,7 +100,8 @@
 #                  3) and 4; 480p at CFG 5: MultiGPU CFG Split, Context Parallel with 2 GPUs per cond, and over all 4
 #   multigpu-4gpu-fewer  on a 4-GPU machine (~9 min): Flux.1 dev 1024² and 1536², Qwen-Image 1328², Wan 2.1 1.3B
 #                  480p/81f with auto at CFG 1 and the node's own floor, on one GPU, 2 (Wan: 3) and all 4, where the node
-#                  splits each step over as many as pay; then Qwen-Image and Wan 1.3B with every step over all 4 (forced/)
+#                  splits each step over as many as pay; then Qwen-Image and Wan 1.3B with every step over all 4 (forced/;
+#                  FEWER_FORCED=0: not)
 #   multigpu-compile  Wan 2.1 1.3B 480p at CFG 1 with sage_fp8_sm90, on one GPU and split, each also under ComfyUI's
 #                  TorchCompileModel (inductor; the split forwards run uncompiled); MG_ROUNDS=2: a compiled row twice
 #   multigpu-more  Flux-dev 1024² at CFG 1, CFG Split unpatched vs sdpa (the pass-through's cost), Wan 14B 480p auto_exact
@@ -539,6 +541,7 @@ stage_multigpu-4gpu-fewer() {  # on 4 GPUs: the node's own floor picks how many 
     [ "$p" = wan-1.3b ] && r=1:auto,cp-g2:auto,cp-g3:auto,cp:auto
     MG_PRESET=$p MG_STEPS=$s MG_ROUNDS=2 MG_LIMIT=$l MG_ROWS=$r stage_multigpu
   done
+  [ "${FEWER_FORCED:-1}" = 1 ] || return 0
   mkdir -p "$OUT/forced"  # every forward over all four, where the node splits over fewer
   for x in qwen-image=6=70 wan-1.3b=3=70; do
     IFS== read -r p s l <<< "$x"
