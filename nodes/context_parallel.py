@@ -218,6 +218,17 @@ class ContextParallel:
                     w = self._work[dm] = self.unit.work(dm)
         return w if w.params else None
 
+    def over(self, dm, n: int) -> str:
+        """Over how many of ``n`` GPUs ``dm``'s steps split, for the node's note (:func:`gpus_for`): "4 GPUs", or "2 of
+        the 4 GPUs, more from 30,000 tokens and all 4 from 40,000" (the whole sequence's tokens)."""
+        work = self.work(dm) if n > 2 and self.min_tokens is None else None
+        if work is None:
+            return f"{n} GPUs"
+        more, every = work.tokens_for(MORE_GPUS_TFLOP * 3), work.tokens_for(MORE_GPUS_TFLOP * n)
+        if n == 3:
+            return f"2 of the 3 GPUs, all 3 from {every:,} tokens"
+        return f"2 of the {n} GPUs, more from {more:,} tokens and all {n} from {every:,}"
+
     def least_work(self, dm, x, c_crossattn) -> float | None:
         """The least work per block (TFLOP) a forward of latent ``x`` and text ``c_crossattn`` does, before its first
         block: its latent's patches and its text as the unit counts them (inputs that add tokens only add work); None
@@ -1090,7 +1101,7 @@ def split_model(model, gpus: int = 0, cfg_split: bool = True, simulate: int = 0,
         min_tokens = 0 if simulate else MIN_SPLIT_TOKENS
     cp = ContextParallel(unit, cfg_split, simulate, min_tokens, node=executing_node())
     steps, otherwise = cp.steps(model.model.diffusion_model, _dynamic(model))
-    cp.note = (f"{unit.name}: {steps} split over {n} GPUs{otherwise}"
+    cp.note = (f"{unit.name}: {steps} split over {cp.over(model.model.diffusion_model, n)}{otherwise}"
                + ("; above CFG 1, each prompt on half of them." if cfg_split else "."))
     install(m, cp)
     return m, cp.note

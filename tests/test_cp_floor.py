@@ -553,3 +553,21 @@ def test_a_forward_whose_work_pays_on_fewer_gpus_splits_over_fewer(zoo, monkeypa
         over = f"2 of the {n} GPUs" if want == 2 else f"{n} GPUs"
         assert any(f"3 of 3 forwards split over {over}" in m for m in said), said
         assert len(fewer) == (1 if want == 2 else 0), said
+
+
+def test_the_note_says_over_how_many_gpus_steps_split(comfy_pack):
+    """On more than two GPUs the note says its steps split over two of them, and from how many tokens over more and
+    over all (Flux.1 dev: 1024² is 4,608); on two, or under a token floor, over all of them."""
+    mod = comfy_pack
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    _, dm, unit = _preset(mod, "flux-dev")
+    cp = cpn.ContextParallel(unit, min_tokens=None)
+    work = cp.work(dm)
+    three, four = work.tokens_for(cpn.MORE_GPUS_TFLOP * 3), work.tokens_for(cpn.MORE_GPUS_TFLOP * 4)
+    assert 4608 < three < four
+    assert cpn.gpus_for(work.tflop_per_block(three - 1), 4) == 2 and cpn.gpus_for(work.tflop_per_block(three), 4) == 3
+    assert cpn.gpus_for(work.tflop_per_block(four), 4) == 4
+    assert cp.over(dm, 4) == f"2 of the 4 GPUs, more from {three:,} tokens and all 4 from {four:,}"
+    assert cp.over(dm, 3) == f"2 of the 3 GPUs, all 3 from {three:,} tokens"
+    assert cp.over(dm, 2) == "2 GPUs"
+    assert cpn.ContextParallel(unit, min_tokens=0).over(dm, 4) == "4 GPUs"
