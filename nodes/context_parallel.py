@@ -595,8 +595,8 @@ class SplitForwardWrapper(_Wrapper):
             tflop = run.split_shapes.get(shapes) or cp.least_work(dm, x, c_crossattn)
             n = gpus_for(tflop, n) if tflop is not None else 2
         if n < len(ranks):
-            cp.say(f"fewer:{n}", f"steps of {cp.unit.name} this short split over {n} of the {len(ranks)} GPUs: a "
-                   "share of the step as short as more GPUs would each get is faster on fewer", show=True)
+            cp.say(f"fewer:{n}", f"steps of {cp.unit.name} this size split over {n} of the {len(ranks)} GPUs: on more, "
+                   "each GPU's share would be too short to pay", show=True)
             ranks = ranks[:n]
         # a forward of shapes that split before in this run replays as CUDA graphs, where the run allows them
         gkey = (*shapes, len(ranks))  # graphs recorded over as many GPUs as replay them
@@ -1020,15 +1020,12 @@ def gpus_for(tflop: float | None, most: int) -> int:
 
 
 def _over(counts, most: int) -> str:
-    """How many GPUs a run's split forwards split over, for its log line: "4 GPUs", "2 of the 4 GPUs", or
-    "4 GPUs (12 of them over 2)" where that changed within the run."""
-    if not counts:
-        return f"{most} GPUs"
-    if len(counts) == 1:
-        (n,) = counts
-        return f"{n} GPUs" if n == most else f"{n} of the {most} GPUs"
-    top = max(counts)
-    return f"{top} GPUs (" + ", ".join(f"{c} of them over {n}" for n, c in sorted(counts.items()) if n != top) + ")"
+    """How many GPUs a run's split forwards split over, for its log line: "4 GPUs", "2 of the 4 GPUs", or "the 4 GPUs
+    (12 over 2, 8 over 4)" where forwards of other sizes split over other counts."""
+    if len(counts) > 1:
+        return f"the {most} GPUs (" + ", ".join(f"{c} over {n}" for n, c in sorted(counts.items())) + ")"
+    n = next(iter(counts), most)
+    return f"{n} GPUs" if n == most else f"{n} of the {most} GPUs"
 
 
 # More than two GPUs pay where each GPU's share of a block's work is at least this (TFLOP); the floors above were

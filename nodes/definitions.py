@@ -700,7 +700,8 @@ CONTEXT_PARALLEL = Node(
     description=context_parallel_description(),
     inputs=[
         In("model", "MODEL"),
-        In("gpus", "INT", 0, "How many GPUs to split each step over (0: all of them).", min=0, max=64, step=1),
+        In("gpus", "INT", 0, "How many GPUs a step may split over (0: all of them). Past two, a step splits over more "
+           "only where each GPU's share still pays (the box says from how many tokens).", min=0, max=64, step=1),
         In("cfg_split", "BOOLEAN", True, "On: with CFG above 1, the positive and negative prompts run on separate halves "
            "of the GPUs (on 2 GPUs, one each: faster there with a Patch Attention kernel), each split over its half. CFG 1, "
            "or off: every GPU splits each step (faster on 2 GPUs with ComfyUI's own attention)."),

@@ -549,7 +549,7 @@ def test_a_forward_whose_work_pays_on_fewer_gpus_splits_over_fewer(zoo, monkeypa
         assert rel_l1(out, ref) < 1e-5
         assert len(sizes) == 3 and set(sizes) == {want}, sizes
         said = [r.getMessage() for r in caplog.records]
-        fewer = [m for m in said if f"this short split over 2 of the {n} GPUs" in m]
+        fewer = [m for m in said if f"this size split over 2 of the {n} GPUs: on more" in m]
         over = f"2 of the {n} GPUs" if want == 2 else f"{n} GPUs"
         assert any(f"3 of 3 forwards split over {over}" in m for m in said), said
         assert len(fewer) == (1 if want == 2 else 0), said
@@ -571,3 +571,12 @@ def test_the_note_says_over_how_many_gpus_steps_split(comfy_pack):
     assert cp.over(dm, 3) == f"2 of the 3 GPUs, all 3 from {three:,} tokens"
     assert cp.over(dm, 2) == "2 GPUs"
     assert cpn.ContextParallel(unit, min_tokens=0).over(dm, 4) == "4 GPUs"
+
+
+def test_the_runs_log_line_says_over_how_many_gpus_its_forwards_split(comfy_pack):
+    import collections
+
+    over = importlib.import_module(comfy_pack.__name__ + ".nodes.context_parallel")._over
+    assert over(collections.Counter(), 4) == over(collections.Counter({4: 6}), 4) == "4 GPUs"
+    assert over(collections.Counter({2: 6}), 4) == "2 of the 4 GPUs"
+    assert over(collections.Counter({4: 8, 2: 12}), 4) == "the 4 GPUs (12 over 2, 8 over 4)"
