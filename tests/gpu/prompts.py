@@ -78,6 +78,7 @@ import importlib
 import importlib.util
 import json
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -796,10 +797,11 @@ def describe(a, comfyui: str) -> dict:
 
 def bench(a, soak, servers: dict, comfyui: str, t_end: float) -> dict:
     ctx = {"meta": describe(a, comfyui), "rows": [], "seed": 0, "comfyui": comfyui, "lock": threading.Lock()}
+    states = {m: soak.call(s.url + "/pa_soak/state") for m, s in servers.items()}  # on the CPU: splits from 0 tokens
+    ctx["meta"]["state_at_start"] = states if a.pair else states["one"]
     if a.pair:
         ctx["meta"]["pair"] = {m: s.devices for m, s in servers.items()}
     for s in {id(s): s for s in servers.values()}.values():
-        ctx["meta"]["state_at_start"] = soak.call(s.url + "/pa_soak/state")  # also: on the CPU, splits from 0 tokens
         ctx["meta"].update(post(s.url + "/pa_prompts/setup", {}) or {})
     ctx["cp_defaults"] = soak.node_inputs(servers["several"].url, "ContextParallel")
     if a.cpu:  # every row's tiny files at once: one ComfyUI import
@@ -842,9 +844,13 @@ def launch(a, soak, comfyui: str, name: str, env: dict, devices=None) -> Server:
         sa, seen = argparse.Namespace(**{**vars(a), "devices": devices}), f"cpu x{devices}"
     elif devices is not None:
         env, seen = {**env, "CUDA_VISIBLE_DEVICES": devices}, devices
-    proc, url = soak.launch(sa, base, comfyui, log,
-                            (["--cache-lru", str(a.cache_lru)] if a.cache_lru else []) + a.server_args.split(),
-                            {"pa_prompts.py": __file__}, env)
+    try:
+        proc, url = soak.launch(sa, base, comfyui, log,
+                                (["--cache-lru", str(a.cache_lru)] if a.cache_lru else []) + a.server_args.split(),
+                                {"pa_prompts.py": __file__}, env)
+    except BaseException:
+        shutil.rmtree(base, ignore_errors=True)
+        raise
     return Server(proc, url, base, ServerLog(log), seen)
 
 
