@@ -313,6 +313,18 @@ class ContextParallel:
         ctx = RankContext(group, 0, self.unit)
         return "" if ctx.start(most[0], prefix=most[1]) else ctx.why
 
+    def run_gpus(self, patcher, shape, conds: dict, cfg: float = 1.0) -> int | None:
+        """Over how many GPUs at most a run of a latent of ``shape`` splits its steps (:func:`gpus_for` of the most
+        work a forward will have, from the shapes alone as :meth:`whole_run` tells it); None where that cannot be told
+        or is not the node's to choose (a token floor, ``cfg_split`` above CFG 1, simulated ranks)."""
+        if self.simulate or self.min_tokens is not None or (self.cfg_split and cfg != 1.0):
+            return None
+        dm = patcher.model.diffusion_model
+        work, most = self.work(dm), self.unit.most_tokens(dm, shape, conds)
+        if work is None or most is None:
+            return None
+        return gpus_for(work.tflop_per_block(sum(most)), 1 + len(patcher.get_additional_models_with_key("multigpu")))
+
     def say(self, key: str, msg: str, show: bool = False) -> None:
         """``msg`` in the log once per sampling run (``key``: which message); with ``show``, also under the node's own
         text in its box on the canvas."""
@@ -917,7 +929,9 @@ def _to(obj, device):
 class ShortRunWrapper(_Wrapper):
     """OUTER_SAMPLE wrapper: a run told too short to split before it starts (:meth:`ContextParallel.whole_run`) samples
     on the first GPU as one GPU does: the other GPUs' copies are left out of the run (ComfyUI neither loads nor
-    prepares them), and the node says why."""
+    prepares them), and the node says why.  A run whose steps split over fewer GPUs than the node has
+    (:meth:`ContextParallel.run_gpus`) leaves the copies it does not use out the same way.  After the run the copies
+    are those ComfyUI matched for it (its loaded entries refer to them) and the ones left out."""
 
     def __call__(self, executor, *args, **kwargs):
         guider = executor.class_obj
@@ -931,15 +945,29 @@ class ShortRunWrapper(_Wrapper):
         why = self.cp.whole_run(patcher, tuple(noise.shape), getattr(guider, "conds", None) or {}, topts,
                                 getattr(guider, "cfg", 1.0))
         if not why:
-            return executor(*args, **kwargs)
-        msg = f"a run of {self.cp.unit.name} sampled on one GPU, the other GPUs' copies left out: {why}"
-        log.warning("%s: %s", NODE, msg)
-        show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
-        patcher.remove_additional_models("multigpu")
+            n = self.cp.run_gpus(patcher, tuple(noise.shape), getattr(guider, "conds", None) or {},
+                                 getattr(guider, "cfg", 1.0))
+            if n is None or n > len(copies):
+                return executor(*args, **kwargs)
+            msg = (f"a run of {self.cp.unit.name} split over {n} of the {1 + len(copies)} GPUs, the other GPUs' copies "
+                   "left out: on more, each GPU's share of a step would be too short to pay")
+            log.info("%s: %s", NODE, msg)
+            show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
+            keep = copies[:n - 1]
+            patcher.set_additional_models("multigpu", keep)
+        else:
+            msg = f"a run of {self.cp.unit.name} sampled on one GPU, the other GPUs' copies left out: {why}"
+            log.warning("%s: %s", NODE, msg)
+            show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
+            keep = []
+            patcher.remove_additional_models("multigpu")
         try:
             return executor(*args, **kwargs)
         finally:
-            patcher.set_additional_models("multigpu", copies)
+            # ComfyUI replaces the copies it runs with clones of them at the run's start (match_multigpu_clones), and
+            # its loaded entries refer to those: they stay, beside the ones left out
+            ran = patcher.get_additional_models_with_key("multigpu") if keep else []
+            patcher.set_additional_models("multigpu", ran + copies[len(keep):])
 
 
 class OneGpuNotice(SharedWrapper):

@@ -580,3 +580,54 @@ def test_the_runs_log_line_says_over_how_many_gpus_its_forwards_split(comfy_pack
     assert over(collections.Counter(), 4) == over(collections.Counter({4: 6}), 4) == "4 GPUs"
     assert over(collections.Counter({2: 6}), 4) == "2 of the 4 GPUs"
     assert over(collections.Counter({4: 8, 2: 12}), 4) == "the 4 GPUs (12 over 2, 8 over 4)"
+
+
+@pytest.mark.comfyui
+def test_through_the_node_a_run_that_pays_on_fewer_gpus_leaves_the_other_copies_out(zoo, monkeypatch, caplog):
+    """ComfyUI sees four devices (the CPU as four); a run whose steps pay on two of them (told before it starts from
+    the latent's shape, :meth:`ContextParallel.run_gpus`) has ComfyUI load and use the copies of two devices only, the
+    others left out (ComfyUI is not asked to load them) and said; after the run ComfyUI's loaded entries still name the
+    devices they hold, and the node keeps every copy for the next run.  One with enough work for all four uses every
+    copy.  The one-GPU latent either way."""
+    import comfy.model_management as mm
+    from comfyui_support import counting_exchanges
+
+    z, mod, _ = zoo
+    devs = [torch.device("cpu")] + [torch.device("cpu", i) for i in range(1, 4)]
+    monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
+    asked = []
+    load = mm.load_models_gpu
+    monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: asked.append([m.load_device for m in models])
+                        or load(models, *a, **k))
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    cls, case = test_context_parallel._case(z, "WAN21_T2V")
+    base = z.build(cls, case)
+    ref = z.sample(base, case)
+    mm.unload_all_models()
+    dm = base.model.diffusion_model
+    tflop = mod.parallel.families.unit_for(dm).work(dm).tflop_per_block(int(torch.tensor(case.latent[2:]).prod()) // 4)
+    monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, tflop * 0.9))
+    try:
+        for more, used in ((tflop / 2.5, 2), (tflop / 4 * 0.999, 4)):
+            monkeypatch.setattr(cpn, "MORE_GPUS_TFLOP", more)
+            m = cpn.context_parallel(base, gpus=0, cfg_split=False)
+            assert len(m.get_additional_models_with_key("multigpu")) == 3
+            for _ in range(2):  # and the next run of the same model, its copies loaded
+                caplog.clear()
+                asked.clear()
+                with counting_exchanges(mod) as counts, caplog.at_level("INFO"):
+                    out = z.sample(m, case)
+                assert rel_l1(out, ref) < 1e-5
+                assert set(counts) == set(range(used)), sorted(set(counts))
+                assert sorted({d for a in asked for d in a}, key=str) == devs[:used], asked
+                loaded = [lm.model.load_device for lm in mm.current_loaded_models if lm.model is not None]
+                assert sorted(loaded, key=str) == devs[:used], loaded  # one entry each, naming its device
+                said = [r.getMessage() for r in caplog.records if "copies left out" in r.getMessage()]
+                assert said == (["Context Parallel: a run of Wan 2.1/2.2 split over 2 of the 4 GPUs, the other GPUs' "
+                                 "copies left out: on more, each GPU's share of a step would be too short to pay"]
+                                if used == 2 else []), said
+                assert sorted((c.load_device for c in m.get_additional_models_with_key("multigpu")),
+                              key=str) == devs[1:]
+            mm.unload_all_models()
+    finally:
+        mm.unload_all_models()
