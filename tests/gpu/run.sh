@@ -98,7 +98,7 @@
 #                  cfg_split off, with sage_fp8_sm90 and auto_exact
 #   multigpu-4gpu  on a 4-GPU machine (~8 min): Wan 2.1 14B 720p and 480p at CFG 1 on one GPU and split over 2, (480p:
 #                  3) and 4; 480p at CFG 5: MultiGPU CFG Split, Context Parallel with 2 GPUs per cond, and over all 4
-#   multigpu-4gpu-fewer  on a 4-GPU machine (~9 min): Flux.1 dev 1024² and 1536², Qwen-Image 1328², Wan 2.1 1.3B
+#   multigpu-4gpu-fewer  on a 4-GPU machine (~5 min): Flux.1 dev 1024² and 1536², Qwen-Image 1328², Wan 2.1 1.3B
 #                  480p/81f with auto at CFG 1 and the node's own floor, on one GPU, 2 (Wan: 3) and all 4, where the node
 #                  splits each step over as many as pay; then Qwen-Image and Wan 1.3B with every step over all 4 (forced/;
 #                  FEWER_FORCED=0: not)
