@@ -233,9 +233,14 @@ class ContextParallel:
         """The least work per block (TFLOP) a forward of latent ``x`` and text ``c_crossattn`` does, before its first
         block: its latent's patches and its text as the unit counts them (inputs that add tokens only add work); None
         where the unit cannot tell."""
-        work = self.work(dm)
         conds = {"text": [{"cross_attn": c_crossattn}]} if isinstance(c_crossattn, torch.Tensor) else {}
-        most = self.unit.most_tokens(dm, tuple(x.shape), conds) if work is not None else None
+        return self.work_of_shapes(dm, tuple(x.shape), conds)
+
+    def work_of_shapes(self, dm, shape, conds: dict) -> float | None:
+        """The work per block (TFLOP) of the most tokens a forward of a latent of ``shape`` with ``conds`` has (the
+        unit's :meth:`~..parallel.families.Unit.most_tokens`); None where the unit cannot tell or ``dm`` has no work."""
+        work = self.work(dm)
+        most = self.unit.most_tokens(dm, shape, conds) if work is not None else None
         return None if most is None else work.tflop_per_block(sum(most))
 
     def floor(self, dm, topts: dict, graphs: bool = False, dynamic: bool = False) -> dict:
@@ -319,11 +324,9 @@ class ContextParallel:
         or is not the node's to choose (a token floor, ``cfg_split`` above CFG 1, simulated ranks)."""
         if self.simulate or self.min_tokens is not None or (self.cfg_split and cfg != 1.0):
             return None
-        dm = patcher.model.diffusion_model
-        work, most = self.work(dm), self.unit.most_tokens(dm, shape, conds)
-        if work is None or most is None:
-            return None
-        return gpus_for(work.tflop_per_block(sum(most)), 1 + len(patcher.get_additional_models_with_key("multigpu")))
+        tflop = self.work_of_shapes(patcher.model.diffusion_model, shape, conds)
+        return None if tflop is None else \
+            gpus_for(tflop, 1 + len(patcher.get_additional_models_with_key("multigpu")))
 
     def say(self, key: str, msg: str, show: bool = False) -> None:
         """``msg`` in the log once per sampling run (``key``: which message); with ``show``, also under the node's own
