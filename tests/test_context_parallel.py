@@ -382,6 +382,13 @@ def rel_l1(a, b) -> float:
     return float((a.double() - b.double()).abs().sum() / b.double().abs().sum())
 
 
+def work_floor_when_simulated(cpn, monkeypatch) -> None:
+    """Simulated ranks take the node's work floor as GPUs do (they split from 0 tokens otherwise)."""
+    init = cpn.ContextParallel.__init__
+    monkeypatch.setattr(cpn.ContextParallel, "__init__", lambda self, unit, cfg_split=False, simulate=0, min_tokens=0,
+                        **k: init(self, unit, cfg_split, simulate, None, **k))
+
+
 def _split(mod, model, n, **kw):
     return importlib.import_module(mod.__name__ + ".nodes.context_parallel").context_parallel(model, simulate=n, **kw)
 

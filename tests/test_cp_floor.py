@@ -453,19 +453,25 @@ def test_a_run_at_cfg_above_one_with_cfg_split_keeps_its_copies(two_devices, mon
     assert rel_l1(out, ref) < 1e-5
 
 
+def _flux_note_case(mod, monkeypatch):
+    """The node's pieces for its note on Flux.1 dev at full size (meta device) on a GPU machine as ComfyUI starts there
+    (its PyTorch attention): the node's module, its choice with the work floors, the diffusion model, its unit and
+    work."""
+    import comfy.ldm.modules.attention as comfy_attention
+
+    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
+    _, dm, unit = _preset(mod, "flux-dev")
+    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
+    cp = cpn.ContextParallel(unit, min_tokens=None)
+    return cpn, cp, dm, unit, cp.work(dm)
+
+
 @pytest.mark.comfyui
 def test_the_note_says_what_graphs_need_under_cudas_async_allocator(comfy_pack, monkeypatch):
     """Under PyTorch's cudaMallocAsync allocator (ComfyUI's default) split forwards are not replayed as CUDA graphs: the
     node's note gives the floors without them, and from how many tokens a step would split with ComfyUI started with
     --disable-cuda-malloc."""
-    import comfy.ldm.modules.attention as comfy_attention
-
-    mod = comfy_pack
-    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    _, dm, unit = _preset(mod, "flux-dev")
-    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
-    cp = cpn.ContextParallel(unit, min_tokens=None)
-    work = cp.work(dm)
+    cpn, cp, dm, unit, work = _flux_note_case(comfy_pack, monkeypatch)
     tokens = {k: work.tokens_for(cpn.SPLIT_TFLOP[k]) for k in ("comfyui", "pack", "graphs-comfyui")}
     with_graphs = cp.steps(dm)
     assert with_graphs[0] == f"each step of {tokens['graphs-comfyui']:,} tokens or more"
@@ -482,14 +488,7 @@ def test_the_note_gives_the_floor_for_the_models_weights_and_what_lowers_it(comf
     """Flux's own floor with Patch Attention's kernels is higher where its weights are in ComfyUI's dynamic VRAM: the
     node's note gives the one for the model it got, and under dynamic VRAM from how many tokens a step would split with
     ComfyUI started with --disable-dynamic-vram."""
-    import comfy.ldm.modules.attention as comfy_attention
-
-    mod = comfy_pack
-    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    _, dm, unit = _preset(mod, "flux-dev")
-    monkeypatch.setattr(cpn, "host_function", lambda: comfy_attention.attention_pytorch)
-    cp = cpn.ContextParallel(unit, min_tokens=None)
-    work = cp.work(dm)
+    cpn, cp, dm, unit, work = _flux_note_case(comfy_pack, monkeypatch)
     comfy, static, dynamic, moved = (work.tokens_for(t) for t in (
         cpn.SPLIT_TFLOP["graphs-comfyui"], unit.floors["graphs-pack"], unit.floors["graphs-pack-dynamic"],
         cpn.SPLIT_TFLOP["pack"]))
@@ -506,6 +505,17 @@ def test_the_note_gives_the_floor_for_the_models_weights_and_what_lowers_it(comf
 
 
 # ---------------------------------------------------------------- on more than two GPUs: over as many as pay
+
+def _wan_and_its_work(z, mod, **case_changes):
+    """A tiny Wan 2.1 of the zoo (a latent whose shares are longer than the text), its case, and its forward's work per
+    block (TFLOP; the (1, 2, 2) patches of the latent are its tokens)."""
+    cls, case = test_context_parallel._case(z, "WAN21_T2V")
+    case = z.with_(case, **case_changes) if case_changes else case
+    base = z.build(cls, case)
+    dm = base.model.diffusion_model
+    tokens = int(torch.tensor(case.latent[2:]).prod()) // 4
+    return base, case, mod.parallel.families.unit_for(dm).work(dm).tflop_per_block(tokens)
+
 
 @pytest.mark.parametrize("tflop, most, want", [
     (1.3, 4, 2), (3.4, 4, 2), (9.3, 3, 2), (9.3, 4, 2), (41.6, 3, 3), (41.6, 4, 4), (41.6, 8, 6), (162.2, 8, 8),
@@ -526,16 +536,10 @@ def test_a_forward_whose_work_pays_on_fewer_gpus_splits_over_fewer(zoo, monkeypa
     how many, the reason is said once."""
     z, mod, _ = zoo
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    cls, case = test_context_parallel._case(z, "WAN21_T2V")  # a latent whose shares are longer than the text
-    case = z.with_(case, steps=3)
-    base = z.build(cls, case)
+    base, case, tflop = _wan_and_its_work(z, mod, steps=3)
     ref = z.sample(base, case)
-    dm = base.model.diffusion_model
-    tflop = mod.parallel.families.unit_for(dm).work(dm).tflop_per_block(int(torch.tensor(case.latent[2:]).prod()) // 4)
     monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, tflop * 0.9))  # it splits
-    init = cpn.ContextParallel.__init__  # the work floor with simulated ranks too (they split from 0 tokens otherwise)
-    monkeypatch.setattr(cpn.ContextParallel, "__init__", lambda self, unit, cfg_split=False, simulate=0, min_tokens=0,
-                        **k: init(self, unit, cfg_split, simulate, None, **k))
+    test_context_parallel.work_floor_when_simulated(cpn, monkeypatch)
     sizes = []
     split = cpn.SplitForwardWrapper._split
     monkeypatch.setattr(cpn.SplitForwardWrapper, "_split",
@@ -555,14 +559,10 @@ def test_a_forward_whose_work_pays_on_fewer_gpus_splits_over_fewer(zoo, monkeypa
         assert len(fewer) == (1 if want == 2 else 0), said
 
 
-def test_the_note_says_over_how_many_gpus_steps_split(comfy_pack):
+def test_the_note_says_over_how_many_gpus_steps_split(comfy_pack, monkeypatch):
     """On more than two GPUs the note says its steps split over two of them, and from how many tokens over more and
     over all (Flux.1 dev: 1024² is 4,608); on two, or under a token floor, over all of them."""
-    mod = comfy_pack
-    cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    _, dm, unit = _preset(mod, "flux-dev")
-    cp = cpn.ContextParallel(unit, min_tokens=None)
-    work = cp.work(dm)
+    cpn, cp, dm, unit, work = _flux_note_case(comfy_pack, monkeypatch)
     three, four = work.tokens_for(cpn.MORE_GPUS_TFLOP * 3), work.tokens_for(cpn.MORE_GPUS_TFLOP * 4)
     assert 4608 < three < four
     assert cpn.gpus_for(work.tflop_per_block(three - 1), 4) == 2 and cpn.gpus_for(work.tflop_per_block(three), 4) == 3
@@ -600,12 +600,9 @@ def test_through_the_node_a_run_that_pays_on_fewer_gpus_leaves_the_other_copies_
     monkeypatch.setattr(mm, "load_models_gpu", lambda models, *a, **k: asked.append([m.load_device for m in models])
                         or load(models, *a, **k))
     cpn = importlib.import_module(mod.__name__ + ".nodes.context_parallel")
-    cls, case = test_context_parallel._case(z, "WAN21_T2V")
-    base = z.build(cls, case)
+    base, case, tflop = _wan_and_its_work(z, mod)
     ref = z.sample(base, case)
     mm.unload_all_models()
-    dm = base.model.diffusion_model
-    tflop = mod.parallel.families.unit_for(dm).work(dm).tflop_per_block(int(torch.tensor(case.latent[2:]).prod()) // 4)
     monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, tflop * 0.9))
     try:
         for more, used in ((tflop / 2.5, 2), (tflop / 4 * 0.999, 4)):

@@ -18,7 +18,7 @@ import types
 
 import pytest
 import torch
-from test_context_parallel import _case, _split, rel_l1
+from test_context_parallel import _case, _split, rel_l1, work_floor_when_simulated
 from test_cp_qwen_image import _qwen_case
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -602,9 +602,7 @@ def test_forwards_split_over_fewer_gpus_than_the_run_has_replay_their_graphs(zoo
     z, mod, _ = zoo
     cpn = _node(mod)
     base, case = _build(z, "Flux", None)
-    init = cpn.ContextParallel.__init__  # the work floor with simulated ranks too (they split from 0 tokens otherwise)
-    monkeypatch.setattr(cpn.ContextParallel, "__init__", lambda self, unit, cfg_split=False, simulate=0, min_tokens=0,
-                        **k: init(self, unit, cfg_split, simulate, None, **k))
+    work_floor_when_simulated(cpn, monkeypatch)
     monkeypatch.setattr(cpn, "SPLIT_TFLOP", dict.fromkeys(cpn.SPLIT_TFLOP, 0.0))  # every forward splits
     monkeypatch.setattr(cpn, "graphs_floor", lambda *a: 0.0)
     monkeypatch.setattr(cpn, "MORE_GPUS_TFLOP", 1e9)  # over two
