@@ -686,22 +686,25 @@ class SplitForwardWrapper(_Wrapper):
             futures.append(worker.submit(self._rank, run, model, ctxs[r], dev, (x, t, c_concat, c_crossattn, control),
                                          options(r, dev), kwargs))
         try:
-            first = options(0, None)
-            if uncompiled:
-                out = executor.class_obj.apply_model(x, t, c_concat, c_crossattn, control, first, **kwargs)
-            else:
-                out = executor(x, t, c_concat, c_crossattn, control, first, **kwargs)
-            handoff.end()
-        except BaseException as e:
-            handoff.end()
-            group.abort(e)
-            concurrent.futures.wait(futures)
-            if isinstance(e, GroupAborted):  # another GPU failed first: its error is the one to report
-                raise _first_error(futures) or e from None
-            raise
-        err = _first_error(futures)
-        if err is not None:
-            raise err
+            try:
+                first = options(0, None)
+                if uncompiled:
+                    out = executor.class_obj.apply_model(x, t, c_concat, c_crossattn, control, first, **kwargs)
+                else:
+                    out = executor(x, t, c_concat, c_crossattn, control, first, **kwargs)
+                handoff.end()
+            except BaseException as e:
+                handoff.end()
+                group.abort(e)
+                concurrent.futures.wait(futures)
+                if isinstance(e, GroupAborted):  # another GPU failed first: its error is the one to report
+                    raise _first_error(futures) or e from None
+                raise
+            err = _first_error(futures)  # every GPU's forward returned
+            if err is not None:
+                raise err
+        finally:
+            handoff.call = None  # it holds the first GPU's options, which hold the handoff: a cycle, now broken
         if graphs is not None:
             group.settle_all()  # no GPU writes its graphs' memory again before the others have read it
         return out, ctxs[0]

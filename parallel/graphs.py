@@ -109,23 +109,25 @@ def signature(args: tuple, kwargs: dict, topts: dict) -> tuple[tuple, list]:
     devices, strides, plain values); the tensors are what a replay copies in.  ``topts`` (the forward's
     ``transformer_options``) is taken from the forward itself.  :class:`Unkeyable` for anything else."""
     tensors = []
+    return _keyed((tuple(args), dict(kwargs)), topts, tensors), tensors
 
-    def walk(v):
-        if isinstance(v, torch.Tensor):
-            tensors.append(v)
-            return "T", tuple(v.shape), v.dtype, v.device, v.stride()
-        if v is topts:
-            return "TOPTS"
-        if v is None or isinstance(v, (bool, int, float, str)):
-            return v
-        if isinstance(v, (list, tuple)):
-            return type(v).__name__, tuple(walk(x) for x in v)
-        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
-            return "dict", tuple((k, walk(x)) for k, x in v.items())
-        raise Unkeyable(f"a {type(v).__name__} among the diffusion model's arguments")
 
-    key = walk((tuple(args), dict(kwargs)))
-    return key, tensors
+def _keyed(v, topts: dict, tensors: list):
+    """:func:`signature`'s key of ``v``, its tensors appended to ``tensors`` (a function of the module: a nested
+    function calling itself would be a reference cycle holding ``topts``, and through its wrappers a run's graphs, until
+    Python's cycle collector ran)."""
+    if isinstance(v, torch.Tensor):
+        tensors.append(v)
+        return "T", tuple(v.shape), v.dtype, v.device, v.stride()
+    if v is topts:
+        return "TOPTS"
+    if v is None or isinstance(v, (bool, int, float, str)):
+        return v
+    if isinstance(v, (list, tuple)):
+        return type(v).__name__, tuple(_keyed(x, topts, tensors) for x in v)
+    if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+        return "dict", tuple((k, _keyed(x, topts, tensors)) for k, x in v.items())
+    raise Unkeyable(f"a {type(v).__name__} among the diffusion model's arguments")
 
 
 class Same:
@@ -304,7 +306,8 @@ class Pieces:
             ctx.graph = None
         self.final = (self._fields(ctx), self._writes())
         self.out = out
-        self._ctx = self._topts = None
+        # the forward's options let go: they hold the model's wrappers, and through them what keeps these graphs
+        self._ctx = self._topts = self._start = None
         self._check_aliases()
         return _clone(out)
 
