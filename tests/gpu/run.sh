@@ -180,6 +180,9 @@
 #                  the one-GPU workflow on the first GPU, the several-GPU one on the next N); s/prompt, the ratio and where the time
 #                  went in prompts.md and prompts.json
 #                  (soak's wheels, and sentencepiece's for Wan's umT5 tokenizer where the machine lacks it)
+#   nccl-threads   the GPUs' threads of one process, each a rank of an NCCL process group of its own: all-to-all eager
+#                  and inside CUDA graphs (values checked), and a Flux.1-dev-sized stack of blocks with Ulysses attention,
+#                  one graph per rank, against one GPU (tests/gpu/nccl_threads.py; needs no env stage)
 #   model-files    the prompts stage's files written ahead, MODEL_FILES (default wan21-14b,umt5-xxl,wan-vae: Wan 2.1
 #                  14B's row) into PROMPTS_MODELS (tests/gpu/model_files.py)
 #   vae            the VAE decode over every GPU (tests/gpu/vae_multi.py): Wan 2.1's VAE (full size, random bf16 weights),
@@ -667,6 +670,11 @@ stage_prompts() {  # whole prompts, one GPU against several: one row per call in
   grep -E "^prompts |^model files:|Traceback|Error" "$OUT/prompts.txt" | tail -n 40
   sed -n '/^| row |/,/^## Every prompt/p' "$OUT/prompts.md" 2>/dev/null | head -n 30
   return $(( rc != 0 ))
+}
+
+stage_nccl-threads() {  # NCCL_THREADS_STAGES (default eager,graph,blocks); NCCL_THREADS_ENV: NCCL settings for this stage
+  env ${NCCL_THREADS_ENV:-} timeout 420 $PY tests/gpu/nccl_threads.py --stages "${NCCL_THREADS_STAGES:-eager,graph,blocks}" --hang "${NCCL_THREADS_HANG:-0}" \
+    --md "$OUT/nccl-threads${NCCL_THREADS_TAG:-}.md" --json "$OUT/nccl-threads${NCCL_THREADS_TAG:-}.json" 2>&1 | tail -n 60
 }
 
 stage_model-files() {  # the prompts stage's random-weight files written ahead (a call of their own before a long row)
