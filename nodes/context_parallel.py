@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import gc
 import logging
 import os
 import sys
@@ -204,6 +205,7 @@ class ContextParallel:
                     (patcher is not None and Same(getattr(patcher, "model", None)) not in kept.models):
                 return
             self.kept = None
+            _KEEPING.discard(self)
         kept.pieces.clear()
 
     def work(self, dm) -> Work | None:
@@ -387,6 +389,24 @@ def show_on_node(node: str | None, text: str) -> None:
                                   "prompt_id": running.prompt_id}, server.client_id)
 
 
+# The node choices (ContextParallel) that keep their last run's graphs, by weak reference (:func:`_collect_stale`).
+_KEEPING = weakref.WeakSet()
+
+
+def _collect_stale() -> None:
+    """Before a run records CUDA graphs, while other outputs of the node keep theirs: Python's cycle collector, once.
+    ComfyUI's MultiGPU copies and the clone they were made for refer to each other, so an output ComfyUI's cache let go
+    of (an input above the node changed) lives until that collector runs, which a server with a large heap does rarely,
+    and its graphs (a forward's activations on every GPU) with it.  Collected, those outputs go, and their graphs'
+    memory is given back to the GPUs; the graphs of outputs still in use stay."""
+    before = len(_KEEPING)
+    if not before:
+        return
+    gc.collect()
+    if len(_KEEPING) < before and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # a graph's memory pool, let go, is cached where no other tensor can use it
+
+
 class Kept:
     """A sampling run's CUDA graphs kept for the next run (ComfyUI keeps a model loaded from one prompt to the next):
     that run replays them from its first forward where its models, their patches and its forwards' options are the
@@ -451,15 +471,17 @@ class Run:
 
     def take(self, cp) -> None:
         """The last run's graphs, where they were recorded as this run's would be; otherwise they go (their memory
-        before this run records its own)."""
+        before this run records its own), and so do those of outputs ComfyUI let go of (:func:`_collect_stale`)."""
         with cp._lock:
             kept, cp.kept = cp.kept, None
-        if kept is None:
-            return
-        if self.graphs and self.key is not None and kept.key == self.key:
+            _KEEPING.discard(cp)
+        if kept is not None and self.graphs and self.key is not None and kept.key == self.key:
             self.pieces, self.split_shapes, self.inherited = kept.pieces, dict(kept.split_shapes), True
-        else:
+            return
+        if kept is not None:
             kept.pieces.clear()
+        if self.graphs:
+            _collect_stale()
 
     def close(self, cp) -> None:
         """Workers stopped; the run's graphs kept for the next run where they may serve it, or let go."""
@@ -468,6 +490,7 @@ class Run:
         if self.graphs and self.key is not None and self.pieces:
             with cp._lock:
                 cp.kept = Kept(self.key, self.pieces, self.split_shapes)
+                _KEEPING.add(cp)
         else:
             self.pieces.clear()  # the graphs' memory goes with the run
 

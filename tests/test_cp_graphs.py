@@ -632,6 +632,48 @@ def test_kept_graphs_serve_the_next_run_through_comfyuis_own_copies_for_each_dev
 
 
 @pytest.mark.comfyui
+def test_graphs_of_an_output_comfyui_let_go_of_go_before_the_next_clone_records_its_own(zoo, monkeypatch):
+    """ComfyUI's MultiGPU copies and the clone they were made for refer to each other (ComfyUI's own cycle), so an
+    output its cache let go of (an input above the node changed) lives until Python's cycle collector runs, and its
+    kept graphs with it.  A run about to record graphs while other outputs keep theirs collects first: the graphs of
+    outputs nothing refers to any more go then; those of a clone still in use stay."""
+    import comfy.model_management as mm
+    from comfyui_support import sample as sample_flux
+    from comfyui_support import tiny_flux
+
+    _, mod, _ = zoo
+    node = _node(mod)
+    devs = [torch.device("cpu"), torch.device("cpu", 1)]
+    monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
+    base = tiny_flux()
+
+    def clone():
+        m = node.context_parallel(base, gpus=0, min_tokens=0)
+        _cp(mod, m).graph_type = RecordedGraph
+        return m
+
+    gc.collect()
+    gc.disable()
+    try:
+        old, kept = clone(), clone()
+        with torch.inference_mode():
+            sample_flux(old, seed=1)
+            sample_flux(kept, seed=1)
+        dropped = [weakref.ref(p) for p in _cp(mod, old).kept.pieces.values()]
+        stay = [weakref.ref(p) for p in _cp(mod, kept).kept.pieces.values()]
+        del old
+        held = sum(r() is not None for r in dropped)  # ComfyUI's cycle holds them
+        with torch.inference_mode():
+            sample_flux(clone(), seed=2)
+        alive = sum(r() is not None for r in dropped), sum(r() is not None for r in stay)
+    finally:
+        gc.enable()
+        mm.unload_all_models()
+    assert held == len(dropped) == 2
+    assert alive == (0, 2)
+
+
+@pytest.mark.comfyui
 @pytest.mark.parametrize("n", [3, 4])
 def test_forwards_split_over_fewer_gpus_than_the_run_has_replay_their_graphs(zoo, monkeypatch, caplog, n):
     """On ``n`` GPUs a step whose work pays on two only (the work floor, nodes/context_parallel.py gpus_for) records and
