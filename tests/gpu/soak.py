@@ -272,6 +272,9 @@ def verdict(a, rows: list, first_round: int) -> dict:
     out["rss_growth_mib"] = (sum(s["rss"] for s in tail) / len(tail) - base["rss"]) / mib
     out["gpu_growth_mib"] = [(sum(s["gpus"][i]["used"] for s in tail) / len(tail) - g["used"]) / mib
                              for i, g in enumerate(base["gpus"])]
+    # PyTorch's tensors alone: growth here is memory held (a leak), growth of the device's used memory alone is cache
+    out["allocated_growth_mib"] = [(sum(s["gpus"][i]["allocated"] for s in tail) / len(tail) - g["allocated"]) / mib
+                                   for i, g in enumerate(base["gpus"])]
     out["dead_entries_max"] = max(r["state"]["dead"] for r in done)
     out["leak_warnings"] = done[-1]["state"]["leak_warnings"]
     out["flat"] = out["rss_growth_mib"] <= a.rss_tolerance and all(g <= a.gpu_tolerance for g in out["gpu_growth_mib"])
@@ -289,7 +292,8 @@ def render(meta: dict, v: dict, rows: list) -> str:
     lines += [f"  - {n}x {e}" for e, n in v["errors"].items()]
     if "rss_growth_mib" in v:
         lines += [f"- host RSS: {v['rss_growth_mib']:+.0f} MiB from the end of the first round to the last quarter",
-                  *[f"- GPU {i} used: {g:+.0f} MiB" for i, g in enumerate(v["gpu_growth_mib"])],
+                  *[f"- GPU {i} used: {g:+.0f} MiB (PyTorch's tensors: {t:+.0f} MiB)"
+                    for i, (g, t) in enumerate(zip(v["gpu_growth_mib"], v["allocated_growth_mib"]))],
                   f"- ComfyUI's loaded models whose patcher was gone: at most {v['dead_entries_max']}; its \"memory "
                   f"leak\" warnings: {v['leak_warnings']}",
                   f"- memory flat: {'yes' if v['flat'] else 'NO'}",
