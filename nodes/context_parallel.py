@@ -191,6 +191,7 @@ class ContextParallel:
         self._work = weakref.WeakKeyDictionary()  # diffusion model -> its Work, made once per model
         self.run = None  # the current sampling run (read by forwards in any thread)
         self.kept = None  # the last run's CUDA graphs, for the next run of the same models and options (Kept)
+        _CHOICES.add(self)
 
     def __deepcopy__(self, memo):
         return self
@@ -205,7 +206,6 @@ class ContextParallel:
                     (patcher is not None and Same(getattr(patcher, "model", None)) not in kept.models):
                 return
             self.kept = None
-            _KEEPING.discard(self)
         kept.pieces.clear()
 
     def work(self, dm) -> Work | None:
@@ -389,8 +389,13 @@ def show_on_node(node: str | None, text: str) -> None:
                                   "prompt_id": running.prompt_id}, server.client_id)
 
 
-# The node choices (ContextParallel) that keep their last run's graphs, by weak reference (:func:`_collect_stale`).
-_KEEPING = weakref.WeakSet()
+# Every node choice (ContextParallel) alive, by weak reference: those keeping graphs are counted (:func:`_collect_stale`).
+_CHOICES = weakref.WeakSet()
+
+
+def _keeping() -> int:
+    """How many node choices keep their last run's graphs."""
+    return sum(c.kept is not None for c in list(_CHOICES))
 
 
 def _collect_stale() -> None:
@@ -400,11 +405,11 @@ def _collect_stale() -> None:
     and its graphs (a forward's activations on every GPU) with it.  Collected, those outputs go, and their graphs'
     memory is given back to the GPUs; the graphs of outputs still in use stay.  A full collection took 0.37-0.38 s in a
     process with ComfyUI 0.33's nodes loaded (690,000 objects, a 2-core machine): once per run that records."""
-    before = len(_KEEPING)
+    before = _keeping()
     if not before:
         return
     gc.collect()
-    if len(_KEEPING) < before and torch.cuda.is_available():
+    if _keeping() < before and torch.cuda.is_available():
         torch.cuda.empty_cache()  # a graph's memory pool, let go, is cached where no other tensor can use it
 
 
@@ -475,7 +480,6 @@ class Run:
         before this run records its own), and so do those of outputs ComfyUI let go of (:func:`_collect_stale`)."""
         with cp._lock:
             kept, cp.kept = cp.kept, None
-            _KEEPING.discard(cp)
         if kept is not None and self.graphs and self.key is not None and kept.key == self.key:
             self.pieces, self.split_shapes, self.inherited = kept.pieces, dict(kept.split_shapes), True
             return
@@ -491,7 +495,6 @@ class Run:
         if self.graphs and self.key is not None and self.pieces:
             with cp._lock:
                 cp.kept = Kept(self.key, self.pieces, self.split_shapes)
-                _KEEPING.add(cp)
         else:
             self.pieces.clear()  # the graphs' memory goes with the run
 
@@ -728,7 +731,7 @@ class SplitForwardWrapper(_Wrapper):
             if err is not None:
                 raise err
         finally:
-            handoff.call = None  # it holds the first GPU's options, which hold the handoff: a cycle, now broken
+            handoff.close()
         if graphs is not None:
             group.settle_all()  # no GPU writes its graphs' memory again before the others have read it
         return out, ctxs[0]
@@ -972,24 +975,23 @@ class ShortRunWrapper(_Wrapper):
         if not copies or packed or type(noise) is not torch.Tensor:
             return executor(*args, **kwargs)
         topts = (getattr(guider, "model_options", None) or {}).get("transformer_options", {})
-        why = self.cp.whole_run(patcher, tuple(noise.shape), getattr(guider, "conds", None) or {}, topts,
-                                getattr(guider, "cfg", 1.0))
-        if not why:
-            n = self.cp.run_gpus(patcher, tuple(noise.shape), getattr(guider, "conds", None) or {},
-                                 getattr(guider, "cfg", 1.0))
+        shape, conds, cfg = tuple(noise.shape), getattr(guider, "conds", None) or {}, getattr(guider, "cfg", 1.0)
+        why = self.cp.whole_run(patcher, shape, conds, topts, cfg)
+        if why:
+            keep, level = [], logging.WARNING
+            msg = f"a run of {self.cp.unit.name} sampled on one GPU, the other GPUs' copies left out: {why}"
+        else:
+            n = self.cp.run_gpus(patcher, shape, conds, cfg)
             if n is None or n > len(copies):
                 return executor(*args, **kwargs)
+            keep, level = copies[:n - 1], logging.INFO
             msg = (f"a run of {self.cp.unit.name} split over {n} of the {1 + len(copies)} GPUs, the other GPUs' copies "
                    "left out: on more, each GPU's share of a step would be too short to pay")
-            log.info("%s: %s", NODE, msg)
-            show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
-            keep = copies[:n - 1]
+        log.log(level, "%s: %s", NODE, msg)
+        show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
+        if keep:
             patcher.set_additional_models("multigpu", keep)
         else:
-            msg = f"a run of {self.cp.unit.name} sampled on one GPU, the other GPUs' copies left out: {why}"
-            log.warning("%s: %s", NODE, msg)
-            show_on_node(self.cp.node, "\n".join((self.cp.note, msg[:1].upper() + msg[1:] + ".")))
-            keep = []
             patcher.remove_additional_models("multigpu")
         try:
             return executor(*args, **kwargs)

@@ -57,6 +57,11 @@ class Handoff:
         """The first GPU's forward returned or failed: GPUs still waiting for a call get none."""
         self._ready.set()
 
+    def close(self) -> None:
+        """Every GPU's forward returned: the call goes (it holds the first GPU's ``transformer_options``, which hold
+        :meth:`lead`, and so this handoff: a reference cycle until Python's cycle collector ran)."""
+        self.call = None
+
     def follow(self, executor, *args, **kwargs):
         """DIFFUSION_MODEL wrapper of another GPU: its diffusion model on the first GPU's call."""
         self._ready.wait()
