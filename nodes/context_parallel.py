@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
-import gc
 import logging
 import os
 import sys
@@ -389,28 +388,33 @@ def show_on_node(node: str | None, text: str) -> None:
                                   "prompt_id": running.prompt_id}, server.client_id)
 
 
-# Every node choice (ContextParallel) alive, by weak reference: those keeping graphs are counted (:func:`_collect_stale`).
+# Every node choice (ContextParallel) alive, by weak reference: a run that records lets go of the graphs its node's
+# earlier outputs keep (:func:`_supersede`).
 _CHOICES = weakref.WeakSet()
 
 
-def _keeping() -> int:
-    """How many node choices keep their last run's graphs."""
-    return sum(c.kept is not None for c in list(_CHOICES))
-
-
-def _collect_stale() -> None:
-    """Before a run records CUDA graphs, while other outputs of the node keep theirs: Python's cycle collector, once.
-    ComfyUI's MultiGPU copies and the clone they were made for refer to each other, so an output ComfyUI's cache let go
-    of (an input above the node changed) lives until that collector runs, which a server with a large heap does rarely,
-    and its graphs (a forward's activations on every GPU) with it.  Collected, those outputs go, and their graphs'
-    memory is given back to the GPUs; the graphs of outputs still in use stay.  A full collection took 0.37-0.38 s in a
-    process with ComfyUI 0.33's nodes loaded (690,000 objects, a 2-core machine): once per run that records."""
-    before = _keeping()
-    if not before:
-        return
-    gc.collect()
-    if _keeping() < before and torch.cuda.is_available():
-        torch.cuda.empty_cache()  # a graph's memory pool, let go, is cached where no other tensor can use it
+def _supersede(cp: ContextParallel, models) -> None:
+    """Before ``cp``'s run records CUDA graphs over ``models``: the graphs kept by earlier outputs of the same node over
+    any of those models go (a forward's activations on every GPU, which ComfyUI's memory management does not count).
+    ComfyUI's output cache keeps a node's earlier outputs (its default while the host has RAM to spare, the LRU cache
+    up to its size), and its MultiGPU copies and the clone they were made for refer to each other, so an output let go
+    of lives until Python's cycle collector runs: graphs kept with each output the user made (a backend, a LoRA changed
+    above the node) piled up on the GPUs (+850 MiB allocated a GPU over 216 prompts, 2x H200).  One output of a node
+    keeps graphs of a model; another node (a second pass over the same model) keeps its own.  Outside ComfyUI's
+    executor (no node id) every choice counts as one node."""
+    freed = False
+    for other in list(_CHOICES):
+        if other is cp or other.node != cp.node:
+            continue
+        with other._lock:
+            kept = other.kept
+            if kept is None or not any(m in models for m in kept.models):
+                continue
+            other.kept = None
+        kept.pieces.clear()
+        freed = True
+    if freed and torch.cuda.is_available():
+        torch.cuda.empty_cache()  # a graph's memory pool, let go, stays cached where no other tensor can use it
 
 
 class Kept:
@@ -477,7 +481,7 @@ class Run:
 
     def take(self, cp) -> None:
         """The last run's graphs, where they were recorded as this run's would be; otherwise they go (their memory
-        before this run records its own), and so do those of outputs ComfyUI let go of (:func:`_collect_stale`)."""
+        before this run records its own), and so do those of the node's earlier outputs (:func:`_supersede`)."""
         with cp._lock:
             kept, cp.kept = cp.kept, None
         if kept is not None and self.graphs and self.key is not None and kept.key == self.key:
@@ -486,7 +490,7 @@ class Run:
         if kept is not None:
             kept.pieces.clear()
         if self.graphs:
-            _collect_stale()
+            _supersede(cp, {Same(m) for g in self.groups for _, m in g})
 
     def close(self, cp) -> None:
         """Workers stopped; the run's graphs kept for the next run where they may serve it, or let go."""

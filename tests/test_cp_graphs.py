@@ -14,6 +14,7 @@ import ctypes
 import gc
 import importlib
 import logging
+import sys
 import threading
 import types
 import weakref
@@ -632,47 +633,51 @@ def test_kept_graphs_serve_the_next_run_through_comfyuis_own_copies_for_each_dev
 
 
 @pytest.mark.comfyui
-def test_graphs_of_an_output_comfyui_let_go_of_go_before_the_next_clone_records_its_own(zoo, monkeypatch):
-    """ComfyUI's MultiGPU copies and the clone they were made for refer to each other (ComfyUI's own cycle), so an
-    output its cache let go of (an input above the node changed) lives until Python's cycle collector runs, and its
-    kept graphs with it.  A run about to record graphs while other outputs keep theirs collects first: the graphs of
-    outputs nothing refers to any more go then; those of a clone still in use stay."""
+@pytest.mark.parametrize("held", ["held", "let go"])
+def test_a_nodes_new_output_recording_lets_go_of_the_graphs_its_earlier_outputs_keep(zoo, monkeypatch, held):
+    """ComfyUI's output cache keeps a node's earlier outputs (its default while the host has RAM to spare), and its
+    MultiGPU copies and the clone they were made for refer to each other, so even an output let go of lives until
+    Python's cycle collector runs: graphs kept with every output the user made (a backend changed above the node) piled
+    up on the GPUs.  When the node's new output records, the earlier outputs' graphs over the same model go, whoever
+    still holds those outputs; another node's output over the same model (a second pass) keeps its own, and so does
+    the node's output over another model."""
     import comfy.model_management as mm
     from comfyui_support import sample as sample_flux
     from comfyui_support import tiny_flux
 
     _, mod, _ = zoo
     node = _node(mod)
+    cpmod = sys.modules[node.__name__]
     devs = [torch.device("cpu"), torch.device("cpu", 1)]
     monkeypatch.setattr(mm, "get_all_torch_devices", lambda exclude_current=False: list(devs))
-    base = tiny_flux()
+    base, other_model = tiny_flux(), tiny_flux()
 
-    def clone():
-        m = node.context_parallel(base, gpus=0, min_tokens=0)
+    def output(node_id, model=base):
+        monkeypatch.setattr(cpmod, "executing_node", lambda: node_id)
+        m = node.context_parallel(model, gpus=0, min_tokens=0)
         _cp(mod, m).graph_type = RecordedGraph
-        return m
+        with torch.inference_mode():
+            sample_flux(m, seed=1)
+        return m, [weakref.ref(p) for p in _cp(mod, m).kept.pieces.values()]
 
     gc.collect()
-    gc.disable()
+    gc.disable()  # as in a server with a large heap, where the collector runs rarely
     try:
-        old, kept = clone(), clone()
-        with torch.inference_mode():
-            sample_flux(old, seed=1)
-            sample_flux(kept, seed=1)
-        dropped = [weakref.ref(p) for p in _cp(mod, old).kept.pieces.values()]
-        stay = [weakref.ref(p) for p in _cp(mod, kept).kept.pieces.values()]
-        del old
-        held = sum(r() is not None for r in dropped)  # ComfyUI's cycle holds them
-        with torch.inference_mode():
-            sample_flux(clone(), seed=2)
-        alive = sum(r() is not None for r in dropped), sum(r() is not None for r in stay)
+        earlier, dropped = output("7")
+        second_pass, stay = output("8")
+        elsewhere, stay_too = output("7", other_model)
+        cps = [weakref.ref(_cp(mod, m)) for m in (earlier, second_pass, elsewhere)]
+        if held == "let go":
+            del earlier
+        newer, _ = output("7")
+        alive = [sum(r() is not None for r in refs) for refs in (dropped, stay, stay_too)]
+        keeping = [cp() is not None and cp().kept is not None for cp in cps]
     finally:
         gc.enable()
         mm.unload_all_models()
-    if not held:
-        pytest.skip("this ComfyUI's MultiGPU copies keep no cycle with their clone: nothing to collect")
-    assert held == len(dropped) == 2
-    assert alive == (0, 2)
+    assert len(dropped) == len(stay) == len(stay_too) == 2
+    assert alive == [0, 2, 2]
+    assert keeping == [False, True, True]
 
 
 @pytest.mark.comfyui
