@@ -855,7 +855,8 @@ class GraphWrapper:
                     raise NotResident("ComfyUI's dynamic VRAM moved or could not hold the model's weights on a GPU")
             if pieces is not None:
                 return pieces.replay(tensors, ctx, topts)
-            pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type)
+            pieces = Pieces(self.device if self.device is not None else ctx.group.devices[ctx.rank], self.graph_type,
+                            ctx.rank)
             pieces.modules = modules
             out = pieces.record(executor, args, kwargs, tensors, ctx, topts)
             pieces.weights, pieces.resident = _weights(modules), held

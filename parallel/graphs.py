@@ -27,6 +27,7 @@ No ComfyUI here; the node decides which forwards replay (nodes/context_parallel.
 from __future__ import annotations
 
 import contextlib
+import threading
 import types
 import uuid
 import weakref
@@ -261,11 +262,29 @@ def _clone(v):
     return walk(v, lambda x: x.clone() if isinstance(x, torch.Tensor) else DEEPER)
 
 
+_STREAMS = {}  # (device, rank) -> the stream a rank records its graphs on there (capture_stream)
+_STREAMS_LOCK = threading.Lock()
+
+
+def capture_stream(device: torch.device, rank: int) -> torch.cuda.Stream:
+    """The stream rank ``rank`` records its graphs on ``device`` with, one for the process (as ``torch.cuda.graph``
+    keeps one capture stream for the process): cuBLAS keeps a workspace for every stream its matrix multiplies ran on
+    (32 MiB on Hopper) until the process ends, so a stream of its own for each recording held 33 MiB more on every GPU
+    with every run that recorded (a soak of 216 prompts through ComfyUI's server: +857 MiB a GPU, 2x H200).  A rank
+    records one forward at a time, and ranks on one device (simulated) each have their own."""
+    key = (device, rank)
+    with _STREAMS_LOCK:
+        stream = _STREAMS.get(key)
+        if stream is None:
+            stream = _STREAMS[key] = torch.cuda.Stream(device)
+    return stream
+
+
 class Pieces:
     """One rank's forward of one key (:func:`signature`) as graphs between islands.  ``graph_type``: the class of a
     graph (``torch.cuda.CUDAGraph``; tests give a stand-in that records and replays on the CPU)."""
 
-    def __init__(self, device, graph_type=None):
+    def __init__(self, device, graph_type=None, rank: int = 0):
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
         self.graph_type = graph_type or torch.cuda.CUDAGraph
@@ -276,7 +295,7 @@ class Pieces:
         self.final = None  # (context fields, topts writes) at the forward's end
         self.inside = False  # an island of the recording is running (the calls it makes are not islands of their own)
         self._graph = None
-        self._stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self._stream = capture_stream(self.device, rank) if self.cuda else None
         self._pool = torch.cuda.graph_pool_handle() if self.cuda else None
         self._outer = None
         self._ctx = self._topts = self._start = None

@@ -423,6 +423,36 @@ def test_an_islands_arguments_are_bound_to_each_replays_context_by_a_function_bu
     assert G._binder(plain) is None
 
 
+def test_recordings_of_a_rank_on_a_device_share_one_capture_stream(monkeypatch):
+    """cuBLAS keeps a workspace (32 MiB on Hopper) for every stream its matrix multiplies ran on until the process
+    ends: a stream made for each recording held 33 MiB more per GPU with every run that recorded.  Every recording of a
+    rank on a device runs on one stream, made once even when the GPUs' threads ask at once; another rank or device
+    has its own."""
+    from comfyui_support import load_pack
+
+    mod, _ = load_pack()
+    G = importlib.import_module(mod.__name__ + ".parallel.graphs")
+    made = []
+
+    class Stream:
+        def __init__(self, device):
+            made.append(device)
+
+    monkeypatch.setattr(torch.cuda, "Stream", Stream)
+    monkeypatch.setattr(G, "_STREAMS", {})
+    d0, d1 = torch.device("cuda", 0), torch.device("cuda", 1)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(G.capture_stream(d0, 0))) for _ in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and all(s is got[0] for s in got)
+    assert G.capture_stream(torch.device("cuda:0"), 0) is got[0]
+    assert G.capture_stream(d1, 1) is not got[0] and G.capture_stream(d0, 1) is not got[0]
+    assert G.capture_stream(d1, 1) is G.capture_stream(d1, 1) and made == [d0, d1, d0]
+
+
 def test_the_weights_ranges_are_held_as_few_ranges_and_let_go_on_any_failure():
     """A model's weights in comfy-aimdo's spaces (``module._v``, one range a module, 512-byte aligned one after the
     other) are held as one range per run of neighbours; where a range cannot be held (no memory: None; or an error of
