@@ -1067,7 +1067,8 @@ class OneGpuNotice(SharedWrapper):
 # Wan's blocks make two, self-attention (exchanged) and cross-attention (not: counted as half a call), so Wan 2.1 1.3B
 # at 33 frames has 1.6 TFLOP a call, between Flux at 1024² (1.3) and Qwen-Image at 1328² (2.2). Flux at 1024² pays
 # step by step with Patch Attention's kernels too (x1.13-1.57), and a whole 20-step prompt through ComfyUI's server,
-# with each run's graphs kept for the next (Kept), ran x1.50 (2x H200, --disable-cuda-malloc --disable-dynamic-vram):
+# with each run's graphs kept for the next (Kept), ran x1.07-1.50 (four 2x H200 machines, --disable-cuda-malloc
+# --disable-dynamic-vram; never slower than one GPU):
 # Flux's unit sets its own floor for them (parallel/families/flux.py), below Wan's 33 frames, which did not pay.
 # Under ComfyUI's dynamic VRAM the same prompt ran x0.90 (each prompt loads the weights again and the first GPU records
 # its graphs again): the unit's floor there keeps Flux 1024² on one GPU.
