@@ -335,8 +335,10 @@ const [first, later, done] = [arguments[0], arguments[1], arguments[arguments.le
       await new Promise(r => setTimeout(r, 600));
       const b = box();
       const r = b.getBoundingClientRect();
-      return {text: b.querySelector('textarea').value, drawn: b.querySelector('.pa-report-view').innerText,
-              visible: b.offsetParent !== null, box: [r.left, r.top, r.width, r.height], node: [...node.size]};
+      const view = b.querySelector('.pa-report-view');
+      return {text: b.querySelector('textarea').value, drawn: view.innerText,
+              visible: b.offsetParent !== null, box: [r.left, r.top, r.width, r.height], node: [...node.size],
+              hidden: [view.scrollWidth - view.clientWidth, view.scrollHeight - view.clientHeight]};
     };
     seen.before = {box: !!box(), size};
     seen.first = await sendNote(first);
@@ -364,6 +366,31 @@ def test_context_parallel_says_on_the_node_why_it_does_not_split(browser):
         assert width > 200 and height > 20, seen
     assert res["later"]["node"][1] >= res["before"]["size"][1]  # the node grew to show it
     browser.save_screenshot(os.path.join(shots(), "context-parallel-note.png"))
+    assert not pack_errors(browser)
+
+
+def test_context_parallel_s_note_on_four_gpus_is_drawn_whole(browser, monkeypatch):
+    """The note a user with four GPUs gets (the node's own text for Flux.1 dev, as tests/test_cp_floor.py builds it
+    with ComfyUI seeing four GPUs): over how many of them a step splits and from how many tokens on more, drawn on the
+    node in full, the node grown to show it."""
+    from comfyui_support import comfy, load_pack
+    from test_cp_floor import four_gpu_note
+
+    comfy()
+    mod, _ = load_pack()
+    note = four_gpu_note(mod, monkeypatch)
+    assert "split over 2 of the 4 GPUs, more from" in note
+    res = browser.execute_async_script(CONTEXT_PARALLEL_NOTE, note, note)
+    assert "error" not in res, res.get("error")
+    seen = res["first"]
+    assert seen["text"] == note and seen["visible"], seen
+    drawn = " ".join(seen["drawn"].split())
+    assert "2 of the 4 GPUs, more from" in drawn and drawn.endswith("each prompt on half of them."), drawn
+    browser.save_screenshot(os.path.join(shots(), "context-parallel-note-4-gpus.png"))
+    x, y, width, height = seen["box"]
+    assert width > 200 and height > 20, seen
+    assert seen["hidden"] == [0, 0], seen  # nothing of it scrolled out of sight
+    assert seen["node"][1] >= res["before"]["size"][1]
     assert not pack_errors(browser)
 
 

@@ -573,6 +573,34 @@ def test_the_note_says_over_how_many_gpus_steps_split(comfy_pack, monkeypatch):
     assert cpn.ContextParallel(unit, min_tokens=0).over(dm, 4) == "4 GPUs"
 
 
+def four_gpu_note(mod, monkeypatch) -> str:
+    """What the node shows on the canvas for Flux.1 dev (full size, meta device) on a machine where ComfyUI sees four
+    GPUs and its own attention runs: the node's own note, its copies left aside."""
+    import comfy.model_patcher
+    import comfy.supported_models as sm
+
+    cpn, _, _, _, _ = _flux_note_case(mod, monkeypatch)
+    monkeypatch.setattr(cpn, "_gpus_here", lambda gpus: (4, ""))
+    monkeypatch.setattr(cpn, "_with_copies", lambda m, n: (m, ""))
+    presets = importlib.import_module(mod.__name__ + ".measure.presets")
+    p = presets.MODEL_PRESETS["flux-dev"]
+    base = getattr(sm, p.model_class)(presets.model_config(p.model_class, p.unet)).get_model({}, device="meta")
+    model = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
+    return cpn.split_model(model, gpus=0, cfg_split=True)[1]
+
+
+@pytest.mark.comfyui
+def test_the_note_on_four_gpus_says_over_how_many_steps_split_on_the_canvas(comfy_pack, monkeypatch):
+    """The line a user with four GPUs reads on the node (drawn in a browser by tests/test_browser.py): Flux.1 dev's
+    steps split over two of the four, from how many tokens over more and over all, and CFG above 1 on half of them."""
+    cpn, cp, dm, _, work = _flux_note_case(comfy_pack, monkeypatch)
+    three, four = work.tokens_for(cpn.MORE_GPUS_TFLOP * 3), work.tokens_for(cpn.MORE_GPUS_TFLOP * 4)
+    note = four_gpu_note(comfy_pack, monkeypatch)
+    assert note.startswith("Flux.1/Flux.2: each step of ")
+    assert f"split over 2 of the 4 GPUs, more from {three:,} tokens and all 4 from {four:,}" in note
+    assert note.endswith("; above CFG 1, each prompt on half of them.")
+
+
 def test_the_runs_log_line_says_over_how_many_gpus_its_forwards_split(comfy_pack):
     import collections
 

@@ -78,6 +78,25 @@ def test_a_report_s_size_follows_its_widest_line_or_table():
     assert bench[1] > 10 * 15 and wide[0] > bench[0] and wide[1] == bench[1]
 
 
+TABLE = "| backend | 1,2,256,64 |\n|---|---|\n| sdpa | 31.199 ms ×1.00 |"
+
+
+def test_a_long_line_counts_the_lines_it_wraps_to_at_the_node_s_width():
+    """A line longer than the box is wide (the Context Parallel node's note on four GPUs) wraps at its spaces: the box's
+    height counts every line it takes, or its end is cut off; a word longer than a line is broken; tables never wrap."""
+    note = "Flux.1/Flux.2: each step of 4,297 tokens or more split over 2 of the 4 GPUs, " * 4  # 308 characters
+    got = run_js("out([ARGS[0].map(([l, n]) => view.wrappedLines(l, n)), view.reportSize(ARGS[1]),"
+                 " view.reportSize(ARGS[1], 100 * view.CHAR_PX), view.reportSize(ARGS[2], 100 * view.CHAR_PX),"
+                 " view.reportSize(ARGS[3], 10 * view.CHAR_PX)])",
+                 [["abc def", 10], ["abc def", 5], ["abc def", 3], ["abcdefgh", 3], ["", 5], ["a" * 10, 0]],
+                 note, "ab\ncd", TABLE)
+    lines, unwrapped, wrapped, short, table = got
+    assert lines == [1, 2, 2, 3, 1, 1]
+    assert unwrapped[1] == 15 + 6 and wrapped[1] == 4 * 15 + 6  # 308 characters at 100 a line: 4 lines, at its spaces
+    assert wrapped[0] == unwrapped[0] and short[1] == 2 * 15 + 6
+    assert table == run_js("out(view.reportSize(ARGS[0]))", TABLE)
+
+
 # frontend 1.49's own cases for its name ranks (its FuseSearch.calcAuxSingle), and the words of this pack's search
 CASES = [("load image", "Load Image", 0), ("load", "Load Image", 1), ("image", "LoadImage", 2), ("cast", "broadcast", 3),
          ("batch latent", "LatentBatch", 4), ("ten bat", "LatentBatch", 5), ("vae", "KSampler", 9),

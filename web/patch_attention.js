@@ -120,6 +120,7 @@ function reportElement(node) {
 const MAX_WIDTH = 900;
 const MAX_HEIGHT = 360;
 const BAR_PX = 26;
+const TEXT_MARGIN_PX = 40; // the node's width beyond its text's: the node's and the box's edges, the scroll bar
 const EMPTY_PX = 50; // the least of an empty box: a text box's, as tests/tools/make_workflows.py sizes the templates
 
 function reportWidget(node) {
@@ -127,15 +128,15 @@ function reportWidget(node) {
   if (have) return have;
   if (typeof node.addDOMWidget !== "function") return null;
   const { box, view, text } = reportElement(node);
-  let least = EMPTY_PX;
   const widget = node.addDOMWidget(WIDGET, "patch_attention_report", box, {
     getValue: () => text.value,
     setValue: (v) => {
       text.value = v ?? "";
       renderReport(document, view, text.value);
-      least = text.value ? BAR_PX + Math.min(MAX_HEIGHT, reportSize(text.value)[1]) : EMPTY_PX;
     },
-    getMinHeight: () => least,
+    // its lines wrapped at the node's width (a long line capped at MAX_WIDTH takes several)
+    getMinHeight: () =>
+      text.value ? BAR_PX + Math.min(MAX_HEIGHT, reportSize(text.value, node.size[0] - TEXT_MARGIN_PX)[1]) : EMPTY_PX,
     serialize: false, // a report is output, not a setting: saved workflows keep only the inputs
   });
   widget.serialize = false;
@@ -143,9 +144,10 @@ function reportWidget(node) {
 }
 
 function fitReport(node, text) {
-  const width = Math.max(node.size[0], Math.min(MAX_WIDTH, reportSize(text)[0] + 40), 360);
+  const width = Math.max(node.size[0], Math.min(MAX_WIDTH, reportSize(text)[0] + TEXT_MARGIN_PX), 360);
+  if (width !== node.size[0]) node.setSize([width, node.size[1]]); // first: the height wraps at this width
   const height = Math.max(node.size[1], (node.computeSize?.() ?? node.size)[1]);
-  if (width !== node.size[0] || height !== node.size[1]) node.setSize([width, height]);
+  if (height !== node.size[1]) node.setSize([width, height]);
 }
 
 function showReport(node, output) {

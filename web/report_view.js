@@ -55,15 +55,39 @@ export const LINE_PX = 15;
 const CELL_PAD_PX = 13;
 const ROW_PX = LINE_PX + 5;
 
-/** [width, height] the report's blocks take unwrapped (text lines at their length, tables at their widest cells). */
-export function reportSize(text) {
+/** How many lines ``line`` takes wrapped at ``perLine`` characters, at its spaces as the page wraps it (a word longer
+ * than a line broken). */
+export function wrappedLines(line, perLine) {
+  if (!(perLine >= 1) || line.length <= perLine) return 1;
+  let lines = 1;
+  let used = 0;
+  for (const word of line.split(/(?<= )/)) {
+    const width = word.trimEnd().length;
+    if (used > 0 && used + width > perLine) {
+      lines++;
+      used = 0;
+    }
+    used += width;
+    while (used > perLine) {
+      lines++;
+      used -= perLine;
+    }
+    used += word.length - width; // its spaces: at a line's end they hang past it
+  }
+  return lines;
+}
+
+/** [width, height] the report's blocks take: text lines at their length (their height wrapped at ``wrapPx``, where
+ * given), tables at their widest cells (tables do not wrap). */
+export function reportSize(text, wrapPx = Infinity) {
   let width = 0;
   let height = 0;
+  const perLine = Math.floor(wrapPx / CHAR_PX);
   for (const b of reportBlocks(text)) {
     if (b.type === "text") {
       const lines = b.text.split("\n");
       width = Math.max(width, ...lines.map((l) => l.length * CHAR_PX));
-      height += lines.length * LINE_PX + 6;
+      height += lines.reduce((n, l) => n + wrappedLines(l, perLine), 0) * LINE_PX + 6;
     } else {
       const all = [b.head, ...b.rows];
       const cols = b.head.map((_, c) => Math.max(...all.map((r) => r[c].length)));
