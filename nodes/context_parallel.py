@@ -400,9 +400,9 @@ def _supersede(cp: ContextParallel, models) -> None:
     up to its size), and its MultiGPU copies and the clone they were made for refer to each other, so an output let go
     of lives until Python's cycle collector runs: graphs kept with each output the user made (a backend, a LoRA changed
     above the node) piled up on the GPUs (a soak through the server, 2x H200: PyTorch's reserved memory 1,216 MiB a
-    GPU at its 100th prompt, 578 MiB with this).  One output of a node
-    keeps graphs of a model; another node (a second pass over the same model) keeps its own.  Outside ComfyUI's
-    executor (no node id) every choice counts as one node."""
+    GPU at its 100th prompt, 578 MiB with this).  One output of a node keeps graphs of a model; another node over the
+    same model (a workflow that samples it twice) keeps its own.  Outside ComfyUI's executor (no node id) every choice
+    counts as one node."""
     freed = False
     for other in list(_CHOICES):
         if other is cp or other.node != cp.node:
