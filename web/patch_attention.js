@@ -128,15 +128,23 @@ function reportWidget(node) {
   if (have) return have;
   if (typeof node.addDOMWidget !== "function") return null;
   const { box, view, text } = reportElement(node);
+  let least = {};
   const widget = node.addDOMWidget(WIDGET, "patch_attention_report", box, {
     getValue: () => text.value,
     setValue: (v) => {
       text.value = v ?? "";
       renderReport(document, view, text.value);
     },
-    // its lines wrapped at the node's width (a long line capped at MAX_WIDTH takes several)
-    getMinHeight: () =>
-      text.value ? BAR_PX + Math.min(MAX_HEIGHT, reportSize(text.value, node.size[0] - TEXT_MARGIN_PX)[1]) : EMPTY_PX,
+    // its lines wrapped at the node's width (a long line capped at MAX_WIDTH takes several); the frontend asks at
+    // every layout, so the last answer is kept for the same text and width
+    getMinHeight: () => {
+      if (!text.value) return EMPTY_PX;
+      const width = node.size[0] - TEXT_MARGIN_PX;
+      if (least.text !== text.value || least.width !== width) {
+        least = { text: text.value, width, px: BAR_PX + Math.min(MAX_HEIGHT, reportSize(text.value, width)[1]) };
+      }
+      return least.px;
+    },
     serialize: false, // a report is output, not a setting: saved workflows keep only the inputs
   });
   widget.serialize = false;
