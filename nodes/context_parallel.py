@@ -199,13 +199,19 @@ class ContextParallel:
         """The kept graphs let go (their memory with them), where ComfyUI unloads ``patcher``, a patcher of a model they
         were recorded with (its ON_DETACH callback; ``unpatch_all`` False: the weights stay where they are, as at every
         sampling start, when ComfyUI takes a model out of its loaded list and loads it again), or always without one."""
+        if unpatch_all:
+            self.let_go(None if patcher is None else {Same(getattr(patcher, "model", None))})
+
+    def let_go(self, models=None) -> bool:
+        """The kept graphs let go (their memory with them) where they were recorded over any of ``models``
+        (:class:`~..parallel.graphs.Same`; None: whatever they were recorded over); whether there were such."""
         with self._lock:
             kept = self.kept
-            if kept is None or not unpatch_all or \
-                    (patcher is not None and Same(getattr(patcher, "model", None)) not in kept.models):
-                return
+            if kept is None or (models is not None and not any(m in models for m in kept.models)):
+                return False
             self.kept = None
         kept.pieces.clear()
+        return True
 
     def work(self, dm) -> Work | None:
         """``dm``'s work per block (:meth:`~..parallel.families.Unit.work`), made once (for the node's note, or at the
@@ -405,15 +411,8 @@ def _supersede(cp: ContextParallel, models) -> None:
     counts as one node."""
     freed = False
     for other in list(_CHOICES):
-        if other is cp or other.node != cp.node:
-            continue
-        with other._lock:
-            kept = other.kept
-            if kept is None or not any(m in models for m in kept.models):
-                continue
-            other.kept = None
-        kept.pieces.clear()
-        freed = True
+        if other is not cp and other.node == cp.node:
+            freed = other.let_go(models) or freed
     if freed and torch.cuda.is_available():
         torch.cuda.empty_cache()  # a graph's memory pool, let go, stays cached where no other tensor can use it
 
