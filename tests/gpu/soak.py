@@ -270,11 +270,13 @@ def verdict(a, rows: list, first_round: int) -> dict:
     if base is None:
         return {**out, "flat": False}
     out["rss_growth_mib"] = (sum(s["rss"] for s in tail) / len(tail) - base["rss"]) / mib
-    out["gpu_growth_mib"] = [(sum(s["gpus"][i]["used"] for s in tail) / len(tail) - g["used"]) / mib
-                             for i, g in enumerate(base["gpus"])]
+
+    def grown(key: str) -> list:  # each GPU's ``key`` memory, from the end of the first round to the last quarter
+        return [(sum(s["gpus"][i][key] for s in tail) / len(tail) - g[key]) / mib for i, g in enumerate(base["gpus"])]
+
+    out["gpu_growth_mib"] = grown("used")
     # PyTorch's tensors alone: growth here is memory held (a leak), growth of the device's used memory alone is cache
-    out["allocated_growth_mib"] = [(sum(s["gpus"][i]["allocated"] for s in tail) / len(tail) - g["allocated"]) / mib
-                                   for i, g in enumerate(base["gpus"])]
+    out["allocated_growth_mib"] = grown("allocated")
     out["dead_entries_max"] = max(r["state"]["dead"] for r in done)
     out["leak_warnings"] = done[-1]["state"]["leak_warnings"]
     out["flat"] = out["rss_growth_mib"] <= a.rss_tolerance and all(g <= a.gpu_tolerance for g in out["gpu_growth_mib"])
