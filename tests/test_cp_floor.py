@@ -117,6 +117,12 @@ _BUILT = {}
 
 def _preset(mod, name):
     """(preset, the diffusion model of its class at full size on the meta device, its unit)."""
+    p, base, unit = _built(mod, name)
+    return p, base.diffusion_model, unit
+
+
+def _built(mod, name):
+    """(preset, ComfyUI's model of its class at full size on the meta device, its diffusion model's unit), built once."""
     import comfy.supported_models as sm
 
     presets = importlib.import_module(mod.__name__ + ".measure.presets")
@@ -127,11 +133,11 @@ def _preset(mod, name):
         pytest.skip(f"{p.model_class} is not in this ComfyUI")
     key = (p.model_class, id(p.unet))
     if key not in _BUILT:
-        dm = cls(presets.model_config(p.model_class, p.unet)).get_model({}, device="meta").diffusion_model
-        _BUILT[key] = (dm, fam.unit_for(dm))
-    dm, unit = _BUILT[key]
-    assert unit is not None, type(dm).__name__
-    return p, dm, unit
+        base = cls(presets.model_config(p.model_class, p.unet)).get_model({}, device="meta")
+        _BUILT[key] = (base, fam.unit_for(base.diffusion_model))
+    base, unit = _BUILT[key]
+    assert unit is not None, type(base.diffusion_model).__name__
+    return p, base, unit
 
 
 @pytest.mark.comfyui
@@ -577,7 +583,6 @@ def four_gpu_note(mod, monkeypatch) -> str:
     """What the node shows on the canvas for Flux.1 dev (full size, meta device) on a machine where ComfyUI sees four
     GPUs and its own attention runs: the node's own note, its copies left aside."""
     import comfy.model_patcher
-    import comfy.supported_models as sm
 
     try:
         import comfy.multigpu  # noqa: F401
@@ -586,9 +591,7 @@ def four_gpu_note(mod, monkeypatch) -> str:
     cpn, _, _, _, _ = _flux_note_case(mod, monkeypatch)
     monkeypatch.setattr(cpn, "_gpus_here", lambda gpus: (4, ""))
     monkeypatch.setattr(cpn, "_with_copies", lambda m, n: (m, ""))
-    presets = importlib.import_module(mod.__name__ + ".measure.presets")
-    p = presets.MODEL_PRESETS["flux-dev"]
-    base = getattr(sm, p.model_class)(presets.model_config(p.model_class, p.unet)).get_model({}, device="meta")
+    _, base, _ = _built(mod, "flux-dev")
     model = comfy.model_patcher.ModelPatcher(base, load_device=torch.device("cpu"), offload_device=torch.device("cpu"))
     return cpn.split_model(model, gpus=0, cfg_split=True)[1]
 
