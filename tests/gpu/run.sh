@@ -4,7 +4,8 @@
 #
 # Carried (ignored paths), in $CARRY (default .build/gpu): kernels.tgz or kernels.tar.xz (SageAttention2 + SpargeAttn built by install.py
 # for this GPU, torch and Python), kitchen-<version>.tar.xz (comfy-kitchen's package, its ROCm library left out; the
-# newest is used unless KITCHEN=<version>), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
+# newest is used unless KITCHEN=<version>; where the carry is tight, its CUDA library cut down to the GPU's architecture
+# by tests/tools/fatbin_keep.py: 21 MB -> 2.6 MB for sm 9.0), comfyui.tar.xz (a ComfyUI source tree), *.whl (wheels the machine lacks:
 # torchsde, trampoline, comfy-aimdo, gguf), site-<name>.tar.xz (a package's installed files, unpacked beside the wheels:
 # PyAV for ComfyUI's Save Video, smaller so than its wheel), comfyui-gguf.tar.xz (a ComfyUI-GGUF checkout, top folder
 # ComfyUI-GGUF: the cp-compose stage's GGUF case), .src (the pinned upstream archives, <commit>.tar.gz, made by
@@ -21,6 +22,8 @@
 #                  per new shape: sdpa_cudnn, the Triton kernels of sage_triton and sparge*; a run cut short keeps the
 #                  cases it checked)
 #   matrix-sdpa    the matrix for the SDPA family (each kernel through its ATen op)
+#   kitchen-check  comfy-kitchen's CUDA library runs here: ComfyUI's calls into it (RoPE, fp8 quantization) against its
+#                  eager backend (tests/gpu/kitchen_check.py)
 #   matrix-kitchen the matrix for comfy-kitchen's backends, once per carried comfy-kitchen version (Sol-Attn with
 #                  min_tokens 128 so that it takes the matrix's calls)
 #   sol-bench      kernel level: Sol-Attn (the pack's call and core's), int8, SDPA, Sage, SpargeAttn on one Wan-14B
@@ -243,6 +246,8 @@ stage_matrix-sdpa() {
   timeout 220 $PY tests/gpu/matrix.py --out "$OUT/contract-sdpa.json" --md "$OUT/contract-sdpa.md" \
     --backends sdpa,sdpa_flash,sdpa_cudnn,sdpa_efficient,sdpa_math 2>&1 | tail -n 30
 }
+
+stage_kitchen-check() { timeout 120 $PY tests/gpu/kitchen_check.py 2>&1 | tail -n 8; return $(( PIPESTATUS[0] != 0 )); }
 
 stage_matrix-kitchen() {
   for v in $KITCHENS; do
