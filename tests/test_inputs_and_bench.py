@@ -1,4 +1,5 @@
 import json
+import re
 import sys
 import threading
 import types
@@ -156,9 +157,12 @@ def test_the_node_shows_its_plan_as_progress_text_before_timing(monkeypatch):
     monkeypatch.setattr(bench, "time_call", lambda *a, **k: (timed.append(len(sent)), real(*a, **k))[1])
     (text,) = defs.run_benchmark(presets="", shapes="1,1,64,32", dtype="bf16", reps=1)
     (said, node), = sent
-    assert node == "12" and said.startswith("Attention Benchmark: 1 shape(s), 4 timed rows each") and " about " in said
-    # only the probe that makes the estimate times anything before it is said; then 15 rounds of the 4 rows
-    assert sorted(timed) == timed and timed.count(1) == 4 * bench.ROUNDS and timed.count(0) <= 4
+    rows = re.match(r"Attention Benchmark: 1 shape\(s\), (\d+) timed rows each", said)
+    assert node == "12" and rows and " about " in said
+    rows = int(rows[1])  # 4 SDPA rows on the CPU; every installed kernel's on a GPU
+    assert rows >= 4
+    # only the probe that makes the estimate times anything before it is said; then 15 rounds of the rows
+    assert sorted(timed) == timed and timed.count(1) == rows * bench.ROUNDS and timed.count(0) <= rows
     assert said.split(": ", 1)[1] in text  # the report repeats the plan
     monkeypatch.setattr(progress, "executing_node", lambda: None)  # outside ComfyUI's executor: nothing sent
     progress.progress_text("outside")

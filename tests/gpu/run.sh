@@ -14,7 +14,7 @@
 # Stages:
 #   env            unpack kernels, comfy-kitchen, wheels, ComfyUI and ComfyUI-GGUF (every other stage needs it; run it
 #                  first); FA4_SITE=<dir>: FlashAttention-4 installed there with pip --target (added to the path)
-#   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI; PYTEST_LIMIT, PYTEST_ARGS)
+#   pytest         the CPU test suite with CUDA present (compile tests excluded: they run in CI; PYTEST_LIMIT, PYTEST_PATHS, PYTEST_K)
 #   threads        tests/test_threads.py with CUDA present: no SDPA backend switches PyTorch's global SDPA state
 #   matrix         the contract matrix through the override (tests/gpu/matrix.py), every installed backend
 #                  (MATRIX_BACKENDS=a,b limits it; MATRIX_OPTIONS passes per-backend options; MATRIX_LIMIT seconds,
@@ -238,9 +238,9 @@ stage_env() {
 }
 
 # compile tests run in CI; the server tier needs ComfyUI's frontend package, which this machine cannot fetch
-stage_pytest() {  # PYTEST_LIMIT seconds (default 540: the suite took ~430 s on an H200 machine), PYTEST_ARGS narrows it
-  timeout "${PYTEST_LIMIT:-540}" $PY -m pytest tests -q -rfE -p no:cacheprovider -k "not compile and not server" \
-    ${PYTEST_ARGS:-} 2>&1 | tee "$OUT/pytest.txt" | tail -n 40
+stage_pytest() {  # PYTEST_LIMIT seconds (default 540: the suite took ~430 s on an H200 machine); PYTEST_PATHS, PYTEST_K
+  timeout "${PYTEST_LIMIT:-540}" $PY -m pytest ${PYTEST_PATHS:-tests} -q -rfE -p no:cacheprovider \
+    -k "${PYTEST_K:-not compile and not server}" 2>&1 | tee "$OUT/pytest.txt" | tail -n 40
   return $(( PIPESTATUS[0] != 0 ))
 }
 
