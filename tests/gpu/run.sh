@@ -238,7 +238,7 @@ stage_env() {
 }
 
 # compile tests run in CI; the server tier needs ComfyUI's frontend package, which this machine cannot fetch
-stage_pytest() {  # PYTEST_LIMIT seconds (default 540: the suite took ~430 s on an H200 machine); PYTEST_PATHS, PYTEST_K
+stage_pytest() {  # PYTEST_LIMIT seconds (default 540: the suite took 409 s on an H200 machine); PYTEST_PATHS, PYTEST_K
   timeout "${PYTEST_LIMIT:-540}" $PY -m pytest ${PYTEST_PATHS:-tests} -q -rfE -p no:cacheprovider \
     -k "${PYTEST_K:-not compile and not server}" 2>&1 | tee "$OUT/pytest.txt" | tail -n 40
   return $(( PIPESTATUS[0] != 0 ))
