@@ -8,18 +8,27 @@ results as its whole build.
 
 from __future__ import annotations
 
+import os
 import sys
 
 import torch
 
-
-def rel_l1(a, b):
-    a, b = a.float(), b.float()
-    return ((a - b).abs().sum() / b.abs().sum()).item()
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # the pack's root
 
 
 def main() -> int:
     import comfy_kitchen as ck
+
+    from attention.reference import accuracy  # (cosine, rel-L1), as the contract matrix measures
+
+    def both(fn, *args):
+        """``fn(*args)`` on comfy-kitchen's CUDA backend and on its eager one, and their rel-L1."""
+        with ck.use_backend("cuda"):
+            c = fn(*args)
+        with ck.use_backend("eager"):
+            e = fn(*args)
+        pairs = list(zip(c, e)) if isinstance(c, tuple) else [(c, e)]
+        return max(accuracy(x, y)[1] for x, y in pairs)
 
     cuda = ck.list_backends().get("cuda", {})
     print("comfy-kitchen", getattr(ck, "__version__", "?"), "cuda backend:", cuda.get("available"),
@@ -35,26 +44,17 @@ def main() -> int:
     k = torch.randn(1, 4096, 40, 128, device=dev, dtype=torch.bfloat16, generator=g)
     ang = torch.rand(1, 4096, 1, 64, device=dev, generator=g) * 6.28
     freqs = torch.stack([torch.cos(ang), -torch.sin(ang), torch.sin(ang), torch.cos(ang)], -1).view(1, 4096, 1, 64, 2, 2)
-    with ck.use_backend("cuda"):
-        cq, ckk = ck.apply_rope(q, k, freqs)
-    with ck.use_backend("eager"):
-        eq, ek = ck.apply_rope(q, k, freqs)
-    d = max(rel_l1(cq, eq), rel_l1(ckk, ek))
+    d = both(ck.apply_rope, q, k, freqs)
     print(f"apply_rope cuda vs eager: rel-L1 {d:.2e}")
     worst = max(worst, d)
 
     # fp8 quantization (ComfyUI's quant_ops for fp8-scaled weights)
     w = torch.randn(5120, 5120, device=dev, dtype=torch.bfloat16, generator=g)
     scale = (w.abs().amax().float() / 448.0).reshape(())
-    with ck.use_backend("cuda"):
-        c8 = ck.quantize_per_tensor_fp8(w, scale, torch.float8_e4m3fn)
-    with ck.use_backend("eager"):
-        e8 = ck.quantize_per_tensor_fp8(w, scale, torch.float8_e4m3fn)
-    d = rel_l1(c8.float(), e8.float())
+    d = both(ck.quantize_per_tensor_fp8, w, scale, torch.float8_e4m3fn)
     print(f"quantize_per_tensor_fp8 cuda vs eager: rel-L1 {d:.2e}")
     worst = max(worst, d)
 
-    torch.cuda.synchronize()
     ok = worst < 1e-2
     print("kitchen check:", "ok" if ok else f"FAILED (largest rel-L1 {worst:.2e})")
     return 0 if ok else 1
